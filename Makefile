@@ -1,0 +1,29 @@
+# The README's two commands: `make demo` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) jobs/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+bench: $(STAMP)
+	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) mlruns demo_output .pytest_cache

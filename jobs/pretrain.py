@@ -1,0 +1,15 @@
+"""Pre-train a ViT on Arrow shards with Ray Train. Run with --help for every option.
+
+    python jobs/pretrain.py --data shards/ --variant Ti/16 --img-size 224 --num-workers 2
+    ray job submit --working-dir . -- python jobs/pretrain.py --data /abs/shards ...
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vitscale.cli import run_job  # noqa: E402
+from vitscale.pretrain import PretrainConfig, run_pretrain  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(run_job(PretrainConfig, run_pretrain, prog="pretrain"))

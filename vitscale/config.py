@@ -1,0 +1,210 @@
+"""Typed stage configs: one dataclass per stage, loaded from YAML/JSON, overridden from the CLI.
+
+Every job declares a ``@dataclass`` whose fields carry their help text in
+``field(metadata={"help": ...})``. :func:`parse_args` turns that dataclass into an
+argparse parser (one ``--flag`` per field, list fields repeatable), reads an
+optional ``--config FILE`` first and lets flags override it. Values are coerced
+and checked against the field's type annotation, and a bad value raises
+:class:`ConfigError` naming the field and what it accepts.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, Sequence, TypeVar, get_args, get_origin
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or of the wrong type; the message names the field."""
+
+
+def _describe(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (list, tuple, Sequence):
+        (inner, *_) = get_args(tp) or (str,)
+        return f"a list of {_describe(inner)}"
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in get_args(tp) if a is not type(None)) + " (or null)"
+    if origin is dict:
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    """Convert ``value`` (from YAML, JSON or a CLI string) to ``tp`` or raise ConfigError."""
+    origin = get_origin(tp)
+    bad = ConfigError(f"{name}: expected {_describe(tp)}, got {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        args = get_args(tp)
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and type(None) in args):
+            if type(None) in args:
+                return None
+            raise bad
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(name, arg, value)
+            except ConfigError:
+                continue
+        raise bad
+    if origin is Literal:
+        choices = get_args(tp)
+        for choice in choices:
+            if value == choice or (isinstance(value, str) and str(choice) == value):
+                return choice
+        raise bad
+    if origin in (list, tuple):
+        (inner, *_) = get_args(tp) or (str,)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        if inner is not str:
+            # "--lrs 0.01,0.03" and "--lrs 0.01 --lrs 0.03" mean the same; strings (paths) keep commas.
+            value = [p for v in value for p in (v.split(",") if isinstance(v, str) else [v]) if p != ""]
+        return [_coerce(name, inner, v) for v in value]
+    if origin is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise bad from None
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
+            return False
+        raise bad
+    if tp is int:
+        if isinstance(value, bool):
+            raise bad
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        try:
+            return int(str(value).replace("_", ""))
+        except ValueError:
+            raise bad from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise bad
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    return value
+
+
+def _fields(cls: type) -> dict[str, tuple[dataclasses.Field, Any]]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: (f, hints[f.name]) for f in dataclasses.fields(cls) if f.init}
+
+
+def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "config") -> T:
+    """Build ``cls`` from a mapping, coercing every value; unknown keys are an error."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of field: value, got {type(data).__name__}")
+    fields = _fields(cls)
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown field(s) {', '.join(unknown)}; accepted fields: {', '.join(fields)}"
+        )
+    kwargs = {k: _coerce(k, fields[k][1], v) for k, v in data.items()}
+    missing = [
+        name
+        for name, (f, _) in fields.items()
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{source}: required field(s) missing: {', '.join(missing)}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict, with errors that name the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
+    return data or {}
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def build_parser(cls: type, *, prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=description or (cls.__doc__ or "").strip().splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of field: value; flags override it")
+    for name, (f, tp) in _fields(cls).items():
+        flag = "--" + name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        )
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": f"{help_text} [{_describe(tp)}; default: {default!r}]"}
+        if get_origin(tp) in (list, tuple):
+            kwargs["action"] = "append"
+            kwargs["metavar"] = name.upper().rstrip("S") if name.endswith("s") else name.upper()
+        elif tp is bool:
+            kwargs["nargs"] = "?"
+            kwargs["const"] = "true"
+        parser.add_argument(flag, **kwargs)
+    return parser
+
+
+def parse_args(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None) -> T:
+    """Parse ``argv`` into ``cls``: config file first, then flags. Exits 2 with a clear message on error."""
+    parser = build_parser(cls, prog=prog)
+    ns = vars(parser.parse_args(argv))
+    config_path = ns.pop("config", None)
+    try:
+        data = load_file(config_path) if config_path else {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"{config_path}: expected a mapping of field: value at the top level")
+        data.update(ns)
+        return from_dict(cls, data, source=config_path or prog or cls.__name__)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable; parser.error exits
+
+
+def check(condition: bool, field_name: str, message: str) -> None:
+    """Raise ConfigError for ``field_name`` unless ``condition``; for use in ``__post_init__``."""
+    if not condition:
+        raise ConfigError(f"{field_name}: {message}")

@@ -1,0 +1,131 @@
+"""From Arrow shards to torch batches: the paper's input pipeline for training and evaluation.
+
+Train input (REFERENCE.md, official fine-tuning configs): Inception crop (area 0.05-1) →
+resize → random horizontal flip → ``(x - 127.5) / 127.5``. Eval input: plain resize.
+
+The dataset is map-style over a :class:`pipelines.schema.ShardSet`, so a
+``DistributedSampler`` gives every Ray Train worker a disjoint, reshuffled slice per epoch
+straight from the memory-mapped shards. Rows listed in the shard set's removal list
+(``removed.jsonl``, written by ``jobs/dedup.py``) are never served.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pipelines.schema import ShardSet, decode_row_image
+
+Transform = Callable[[np.ndarray, np.random.Generator], np.ndarray]
+
+
+def value_range(arr: np.ndarray) -> np.ndarray:
+    """uint8 HWC → float32 CHW in [-1, 1], the range vitcore models expect."""
+    return ((arr.astype(np.float32) - 127.5) / 127.5).transpose(2, 0, 1)
+
+
+def inception_crop(
+    img: Image.Image, size: int, rng: np.random.Generator, area: tuple[float, float] = (0.05, 1.0)
+) -> Image.Image:
+    """Random-area, random-aspect crop resized to ``size`` (Szegedy et al.; the ViT train input)."""
+    w, h = img.size
+    for _ in range(10):
+        target = rng.uniform(*area) * w * h
+        aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+        cw, ch = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+            return img.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+    side = min(w, h)  # fall back to a central square, as the TF implementation does
+    x, y = (w - side) // 2, (h - side) // 2
+    return img.resize((size, size), Image.BILINEAR, box=(x, y, x + side, y + side))
+
+
+def train_transform(size: int, *, flip: bool = True, min_area: float = 0.05) -> Transform:
+    """Inception crop covering at least ``min_area`` of the image (1.0: plain resize), then a
+    random flip. VTAB-style tasks where a flip or a crop changes the label turn them off."""
+    if not 0.0 < min_area <= 1.0:
+        raise ValueError(f"min_area must be in (0, 1], got {min_area}")
+
+    def apply(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        img = Image.fromarray(arr)
+        if min_area < 1.0:
+            img = inception_crop(img, size, rng, area=(min_area, 1.0))
+        else:
+            img = img.resize((size, size), Image.BILINEAR)
+        if flip and rng.random() < 0.5:
+            img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        return value_range(np.asarray(img))
+
+    return apply
+
+
+def eval_transform(size: int) -> Transform:
+    def apply(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        return value_range(np.asarray(Image.fromarray(arr).resize((size, size), Image.BILINEAR)))
+
+    return apply
+
+
+class ShardImageDataset(torch.utils.data.Dataset):
+    """Rows of a shard set as ``(image CHW float32, target)``.
+
+    ``target`` is the class index for ``label_mode="single"`` (softmax loss) or a multi-hot
+    float vector for ``"multi"`` (sigmoid loss, JFT-style multi-label corpora).
+    """
+
+    def __init__(
+        self,
+        shards: str | ShardSet,
+        transform: Transform,
+        *,
+        label_mode: Literal["single", "multi"] = "single",
+        rows: np.ndarray | None = None,
+        seed: int = 0,
+    ):
+        self.shards = shards if isinstance(shards, ShardSet) else ShardSet(shards)
+        self.transform = transform
+        self.label_mode = label_mode
+        self.num_classes = len(self.shards.label_map)
+        self.rows = np.arange(len(self.shards)) if rows is None else np.asarray(rows)
+        self.seed = seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __getitem__(self, i: int):
+        index = int(self.rows[i])
+        record = self.shards[index]
+        arr = decode_row_image(record)
+        # Per-item, per-epoch generator: augmentations are reproducible whatever the worker layout.
+        rng = np.random.default_rng((self.seed, self.epoch, index))
+        x = torch.from_numpy(self.transform(arr, rng))
+        labels = record["labels"]
+        if self.label_mode == "single":
+            if len(labels) != 1:
+                raise ValueError(
+                    f"{record['source']}: has {len(labels)} labels but label_mode='single'; "
+                    "use label_mode='multi' (sigmoid loss) for multi-label corpora"
+                )
+            return x, int(labels[0])
+        y = torch.zeros(self.num_classes)
+        y[list(labels)] = 1.0
+        return x, y
+
+
+def split_rows(rows: np.ndarray | int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded split of row indices (or ``range(rows)``) into (train, held-out), e.g. the
+    paper's held-out part of the training set for choosing the learning rate."""
+    rows = np.arange(rows) if isinstance(rows, (int, np.integer)) else np.asarray(rows)
+    if not 0.0 <= holdout < 1.0:
+        raise ValueError(f"holdout must be in [0, 1), got {holdout}")
+    perm = np.random.default_rng(seed).permutation(len(rows))
+    n_hold = int(round(len(rows) * holdout))
+    return rows[np.sort(perm[n_hold:])], rows[np.sort(perm[:n_hold])]

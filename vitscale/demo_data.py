@@ -1,0 +1,257 @@
+"""Build the demo's data on disk, offline: a labelled pre-training corpus and a downstream task.
+
+Pre-training corpus (``corpus/<class>/<file>``, the class is the folder name, as in ImageNet):
+- procedurally drawn classes (shapes, stripes, checkerboards, gradients) in random colours;
+- one class per real photograph bundled with scikit-image and scikit-learn, filled with random
+  crops, flips and rescales of that photograph;
+- deliberately bad inputs (zero-byte, truncated, not an image) that ingest must quarantine;
+- exact byte copies that ingest must drop as corpus duplicates;
+- *planted* copies of downstream test images, resized and re-encoded, that ingest must drop as
+  near-duplicates of the test set (Section 4.1: pre-training data is de-duplicated against the
+  downstream test sets).
+
+Downstream task (``downstream/{train,test}/<digit>/<file>.png``): scikit-learn's handwritten
+digits, upsampled to 32x32 RGB.
+
+Everything is seeded, so the same arguments always produce the same files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+SHAPE_CLASSES = ("circle", "square", "triangle", "hstripes", "vstripes", "checker", "gradient", "ring")
+
+# Real photographs: (module, name). Grayscale ones are included on purpose: ingest turns them into RGB.
+PHOTO_SOURCES = (
+    ("skimage", "astronaut.png"),
+    ("skimage", "chelsea.png"),
+    ("skimage", "coffee.png"),
+    ("skimage", "hubble_deep_field.jpg"),
+    ("skimage", "retina.jpg"),
+    ("skimage", "rocket.jpg"),
+    ("skimage", "motorcycle_left.png"),
+    ("skimage", "ihc.png"),
+    ("skimage", "brick.png"),
+    ("skimage", "grass.png"),
+    ("skimage", "camera.png"),
+    ("skimage", "coins.png"),
+    ("sklearn", "china.jpg"),
+    ("sklearn", "flower.jpg"),
+)
+
+
+@dataclasses.dataclass
+class DemoData:
+    root: Path
+    corpus: Path
+    train: Path
+    test: Path
+    corpus_images: int
+    planted: int
+    corrupt: int
+    exact_copies: int
+    classes: int
+    downstream_classes: int
+    train_images: int
+    test_images: int
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+def photo(source: str, name: str) -> Image.Image:
+    """Load one bundled real photograph as RGB (no network: the files ship inside the wheels)."""
+    if source == "skimage":
+        import skimage
+
+        path = Path(skimage.__file__).parent / "data" / name
+        return Image.open(path).convert("RGB")
+    from sklearn.datasets import load_sample_image
+
+    return Image.fromarray(load_sample_image(name)).convert("RGB")
+
+
+def _random_colour(rng: np.random.Generator) -> tuple[int, int, int]:
+    return tuple(int(c) for c in rng.integers(0, 256, 3))
+
+
+def draw_shape(kind: str, size: int, rng: np.random.Generator) -> Image.Image:
+    bg, fg = _random_colour(rng), _random_colour(rng)
+    img = Image.new("RGB", (size, size), bg)
+    d = ImageDraw.Draw(img)
+    s = size
+    if kind in ("circle", "square", "triangle", "ring"):
+        r = rng.uniform(0.2, 0.4) * s
+        cx, cy = rng.uniform(r, s - r, 2)
+        box = (cx - r, cy - r, cx + r, cy + r)
+        if kind == "circle":
+            d.ellipse(box, fill=fg)
+        elif kind == "ring":
+            d.ellipse(box, outline=fg, width=max(2, int(r / 4)))
+        elif kind == "square":
+            d.rectangle(box, fill=fg)
+        else:
+            d.polygon([(cx, cy - r), (cx - r, cy + r), (cx + r, cy + r)], fill=fg)
+    elif kind in ("hstripes", "vstripes"):
+        period = int(rng.integers(6, 20))
+        for k in range(0, s, period):
+            rect = (0, k, s, k + period // 2) if kind == "hstripes" else (k, 0, k + period // 2, s)
+            d.rectangle(rect, fill=fg)
+    elif kind == "checker":
+        cell = int(rng.integers(8, 24))
+        for y in range(0, s, cell):
+            for x in range(0, s, cell):
+                if (x // cell + y // cell) % 2 == 0:
+                    d.rectangle((x, y, x + cell - 1, y + cell - 1), fill=fg)
+    elif kind == "gradient":
+        t = np.linspace(0, 1, s)[None, :, None]
+        a, b = np.array(bg)[None, None], np.array(fg)[None, None]
+        arr = (a * (1 - t) + b * t).repeat(s, axis=0)
+        if rng.random() < 0.5:
+            arr = arr.transpose(1, 0, 2)
+        img = Image.fromarray(arr.astype(np.uint8))
+    else:
+        raise ValueError(f"unknown shape class {kind!r}; known: {', '.join(SHAPE_CLASSES)}")
+    noise = rng.normal(0, 6, (s, s, 3))
+    return Image.fromarray(np.clip(np.asarray(img, np.float32) + noise, 0, 255).astype(np.uint8))
+
+
+def random_crop(img: Image.Image, out: int, rng: np.random.Generator) -> Image.Image:
+    w, h = img.size
+    area = rng.uniform(0.08, 0.5) * w * h
+    aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+    cw = int(min(w, max(8, round(np.sqrt(area * aspect)))))
+    ch = int(min(h, max(8, round(np.sqrt(area / aspect)))))
+    x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    crop = img.crop((x, y, x + cw, y + ch)).resize((out, out), Image.BICUBIC)
+    return crop.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < 0.5 else crop
+
+
+def _save(img: Image.Image, path: Path, rng: np.random.Generator) -> Path:
+    if rng.random() < 0.7:
+        path = path.with_suffix(".jpg")
+        img.save(path, "JPEG", quality=int(rng.integers(75, 96)))
+    else:
+        path = path.with_suffix(".png")
+        img.save(path, "PNG")
+    return path
+
+
+def digit_images() -> tuple[list[Image.Image], np.ndarray]:
+    """scikit-learn's 8x8 digits as 32x32 RGB images (bicubic upsampling)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    imgs = []
+    for arr in digits.images:
+        g = Image.fromarray((arr * (255.0 / 16.0)).astype(np.uint8), "L").resize((32, 32), Image.BICUBIC)
+        imgs.append(g.convert("RGB"))
+    return imgs, digits.target.astype(int)
+
+
+def build(
+    root: str | Path,
+    *,
+    per_shape: int = 60,
+    per_photo: int = 24,
+    image_size: int = 96,
+    train_images: int = 1000,
+    test_images: int = 300,
+    planted: int = 20,
+    seed: int = 0,
+) -> DemoData:
+    """Write the demo corpus and downstream task under ``root`` (replacing what is there)."""
+    root = Path(root)
+    if root.exists():
+        shutil.rmtree(root)
+    corpus, train_dir, test_dir = root / "corpus", root / "downstream" / "train", root / "downstream" / "test"
+    rng = np.random.default_rng(seed)
+    n = 0
+    for kind in SHAPE_CLASSES:
+        (corpus / kind).mkdir(parents=True)
+        for i in range(per_shape):
+            _save(draw_shape(kind, image_size, rng), corpus / kind / f"{kind}_{i:04d}", rng)
+            n += 1
+    for source, name in PHOTO_SOURCES:
+        cls = Path(name).stem
+        (corpus / cls).mkdir(parents=True)
+        base = photo(source, name)
+        for i in range(per_photo):
+            _save(random_crop(base, image_size, rng), corpus / cls / f"{cls}_{i:04d}", rng)
+            n += 1
+
+    # Downstream task: a seeded split of the digits.
+    imgs, labels = digit_images()
+    order = rng.permutation(len(imgs))
+    if train_images + test_images > len(order):
+        raise ValueError(
+            f"train_images + test_images = {train_images + test_images} exceeds the {len(order)} digits available"
+        )
+    test_paths: list[Path] = []
+    for split_dir, idx in ((train_dir, order[:train_images]), (test_dir, order[train_images:train_images + test_images])):
+        for j in idx:
+            d = split_dir / str(labels[j])
+            d.mkdir(parents=True, exist_ok=True)
+            p = d / f"digit_{j:04d}.png"
+            imgs[j].save(p)
+            if split_dir is test_dir:
+                test_paths.append(p)
+
+    # Planted near-duplicates of test images: rescaled 0.75x-2x and re-encoded as JPEG.
+    plant_dir = corpus / SHAPE_CLASSES[0]
+    for k, j in enumerate(rng.choice(len(test_paths), size=planted, replace=False)):
+        src = Image.open(test_paths[j]).convert("RGB")
+        scale = float(rng.uniform(0.75, 2.0))
+        side = max(16, int(round(32 * scale)))
+        src.resize((side, side), Image.BICUBIC).save(
+            plant_dir / f"planted_{k:03d}.jpg", "JPEG", quality=int(rng.integers(70, 95))
+        )
+
+    # Exact copies of three corpus files under new names: ingest keeps one of each.
+    copies = 0
+    for kind in SHAPE_CLASSES[1:4]:
+        first = sorted((corpus / kind).iterdir())[0]
+        shutil.copyfile(first, first.with_name("copy_of_" + first.name))
+        copies += 1
+
+    # Bad inputs: each must end up in quarantine.jsonl with a reason.
+    bad = corpus / SHAPE_CLASSES[1]
+    (bad / "empty.jpg").write_bytes(b"")
+    good = io.BytesIO()
+    draw_shape("square", image_size, rng).save(good, "JPEG", quality=90)
+    (bad / "truncated.jpg").write_bytes(good.getvalue()[: len(good.getvalue()) // 3])
+    (bad / "notes.jpg").write_text("this is not an image\n")
+    corrupt = 3
+
+    data = DemoData(
+        root=root,
+        corpus=corpus,
+        train=train_dir,
+        test=test_dir,
+        corpus_images=n + planted + copies + corrupt,
+        planted=planted,
+        corrupt=corrupt,
+        exact_copies=copies,
+        classes=len(SHAPE_CLASSES) + len(PHOTO_SOURCES),
+        downstream_classes=10,
+        train_images=train_images,
+        test_images=test_images,
+    )
+    (root / "demo_data.json").write_text(json.dumps(data.to_dict(), indent=2))
+    return data
+
+
+if __name__ == "__main__":  # pragma: no cover - convenience
+    import sys
+
+    print(json.dumps(build(sys.argv[1] if len(sys.argv) > 1 else "demo_output/data").to_dict(), indent=2))
+    os._exit(0)

@@ -1,0 +1,352 @@
+"""Pre-training a vitcore ViT on Arrow shards with Ray Train (Section 4.1, "Training & Fine-tuning").
+
+The paper pre-trains with Adam (β1=0.9, β2=0.999), weight decay 0.1, batch 4096, a linear
+warm-up then linear decay, global-norm clipping at 1, and dropout 0.1 (Appendix B.1). Those
+are the defaults here except batch size, which a single machine cannot hold.
+
+One ``TorchTrainer`` runs :func:`train_loop_per_worker` on ``num_workers`` workers (gloo on CPU,
+NCCL with ``use_gpu``). Each worker reads its own slice of the memory-mapped shards. Rank 0
+logs step metrics into the MLflow run that the driver opened: Ray Train V2 rejects
+``MLflowLoggerCallback``. Every epoch all workers report the same metrics and rank 0 attaches a
+checkpoint, so a failed run resumes from its last epoch (``max_failures``), and re-running with
+the same ``output`` and ``run_name`` continues where it stopped.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+from vitscale.config import ConfigError, check
+
+SCHEDULES = ("linear", "cosine")
+MODEL_FILE = "model.safetensors"
+
+
+@dataclasses.dataclass
+class PretrainConfig:
+    """Pre-train a Vision Transformer on Arrow shards with Ray Train."""
+
+    data: str = field(metadata={"help": "shard directory written by jobs/prepare.py (holds manifest.json)"})
+    output: str = field(default="pretrain_output", metadata={"help": "directory for the final model and Ray Train state"})
+    variant: str = field(default="Ti/16", metadata={"help": "vitcore variant, e.g. Ti/16, S/16, B/16, R50+B/16"})
+    img_size: int = field(default=224, metadata={"help": "training resolution in pixels"})
+    depth: int | None = field(default=None, metadata={"help": "override the variant's number of blocks"})
+    width: int | None = field(default=None, metadata={"help": "override the variant's hidden size"})
+    mlp_dim: int | None = field(default=None, metadata={"help": "override the variant's MLP size"})
+    num_heads: int | None = field(default=None, metadata={"help": "override the variant's attention heads"})
+    objective: Literal["classification", "mpp"] = field(
+        default="classification", metadata={"help": "supervised labels, or masked patch prediction (Appendix B.1.2)"}
+    )
+    loss: Literal["softmax", "sigmoid"] = field(
+        default="softmax", metadata={"help": "softmax for one label per image, sigmoid for multi-label corpora"}
+    )
+    epochs: int = field(default=10, metadata={"help": "passes over the shards"})
+    batch_size: int = field(default=256, metadata={"help": "global batch size, split across workers"})
+    lr: float = field(default=1e-3, metadata={"help": "peak Adam learning rate"})
+    weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay (paper: 0.1)"})
+    warmup_steps: int = field(default=10_000, metadata={"help": "linear warm-up steps; capped at 10%% of training"})
+    schedule: Literal["linear", "cosine"] = field(default="linear", metadata={"help": "decay after warm-up"})
+    grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
+    dropout: float = field(default=0.1, metadata={"help": "dropout after dense layers (Appendix B.1)"})
+    holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
+    num_workers: int = field(default=2, metadata={"help": "Ray Train workers"})
+    cpus_per_worker: int = field(default=1, metadata={"help": "CPUs reserved per worker (and torch threads)"})
+    use_gpu: bool = field(default=False, metadata={"help": "one GPU per worker, NCCL, bf16 autocast"})
+    bf16: bool = field(default=True, metadata={"help": "bf16 autocast on GPU (ignored on CPU)"})
+    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
+    grad_checkpointing: bool = field(default=False, metadata={"help": "recompute block activations in backward"})
+    max_failures: int = field(default=0, metadata={"help": "worker-group restarts from the last checkpoint"})
+    log_every: int = field(default=10, metadata={"help": "rank-0 MLflow logging interval in steps"})
+    seed: int = field(default=0, metadata={"help": "seed for init, shuffling and augmentation"})
+    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
+    run_name: str | None = field(default=None, metadata={"help": "Ray Train run name (same name resumes)"})
+    parent_run_id: str | None = field(default=None, metadata={"help": "MLflow run to nest under"})
+
+    def __post_init__(self) -> None:
+        for name in ("img_size", "epochs", "batch_size", "num_workers", "cpus_per_worker", "log_every"):
+            check(getattr(self, name) > 0, name, f"must be a positive integer, got {getattr(self, name)}")
+        check(self.batch_size >= self.num_workers, "batch_size",
+              f"must be at least num_workers ({self.num_workers}) so every worker gets a sample, got {self.batch_size}")
+        check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
+        check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+        check(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
+        check(0 <= self.holdout < 0.5, "holdout", f"must be in [0, 0.5), got {self.holdout}")
+        check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        if self.objective == "mpp":
+            check(self.loss == "softmax", "loss", "masked patch prediction uses a 512-way softmax; leave loss=softmax")
+
+
+def model_options(cfg: Any) -> dict[str, Any]:
+    """The vitcore ``create_model`` options a stage config asks for."""
+    opts = {k: getattr(cfg, k) for k in ("depth", "width", "mlp_dim", "num_heads") if getattr(cfg, k, None) is not None}
+    if getattr(cfg, "grad_checkpointing", False):
+        opts["grad_checkpointing"] = True
+    return opts
+
+
+def lr_at(step: int, *, total: int, warmup: int, peak: float, schedule: str, end: float = 0.0) -> float:
+    """Linear warm-up to ``peak`` then linear or cosine decay to ``end`` at ``total`` steps."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * progress))
+    return peak + (end - peak) * progress
+
+
+def effective_warmup(requested: int, total_steps: int) -> int:
+    # A short run with the paper's 10k warm-up steps would never leave warm-up.
+    return min(requested, max(1, total_steps // 10))
+
+
+def _autocast(device, enabled: bool):
+    import torch
+
+    if enabled and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _unwrap(module):
+    """The bare module under torch.compile's and DDP's wrappers."""
+    while True:
+        inner = getattr(module, "_orig_mod", None) or getattr(module, "module", None)
+        if inner is None:
+            return module
+        module = inner
+
+
+def _all_reduce_sum(values: list[float], device) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """One Ray Train worker: build the model, stream its slice of the shards, train, report."""
+    import numpy as np
+    import ray.train
+    import ray.train.torch
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    import vitcore
+    from vitcore.variants import decode_variant
+    from vitscale import tracking
+    from vitscale.data import ShardImageDataset, eval_transform, split_rows, train_transform
+
+    cfg = PretrainConfig(**config["cfg"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    torch.set_num_threads(max(1, cfg.cpus_per_worker))
+    torch.manual_seed(cfg.seed)
+    device = ray.train.torch.get_device()
+
+    full = ShardImageDataset(cfg.data, train_transform(cfg.img_size), label_mode="multi" if cfg.loss == "sigmoid" else "single", seed=cfg.seed)
+    train_rows, held_rows = split_rows(full.rows, cfg.holdout, cfg.seed)
+    train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode, rows=train_rows, seed=cfg.seed)
+    held_ds = ShardImageDataset(full.shards, eval_transform(cfg.img_size), label_mode=full.label_mode, rows=held_rows, seed=cfg.seed)
+    per_worker = max(1, cfg.batch_size // world)
+    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    loader = DataLoader(train_ds, batch_size=per_worker, sampler=sampler, drop_last=True,
+                        num_workers=config.get("loader_workers", 0), pin_memory=device.type == "cuda")
+    if len(loader) == 0:
+        raise ValueError(
+            f"{cfg.data}: {len(train_ds)} training rows cannot fill one batch of {per_worker} per worker "
+            f"on {world} workers; lower batch_size or num_workers"
+        )
+    held_sampler = DistributedSampler(held_ds, num_replicas=world, rank=rank, shuffle=False) if len(held_ds) else None
+
+    num_classes = full.num_classes
+    mpp = cfg.objective == "mpp"
+    # Pre-training head: one tanh hidden layer as wide as the model (Section 3.1).
+    width = cfg.width or decode_variant(cfg.variant)["width"]
+    model = vitcore.create_model(
+        cfg.variant,
+        # MPP predicts per-patch colours with its own head; the class head is not used.
+        num_classes=0 if mpp else num_classes,
+        img_size=cfg.img_size,
+        representation_size=None if mpp else width,
+        dropout=cfg.dropout,
+        # i21k recipe (REFERENCE.md): head bias -10 so every sigmoid starts near zero.
+        head_bias_init=-10.0 if cfg.loss == "sigmoid" else 0.0,
+        **model_options(cfg),
+    )
+    trainable = vitcore.MaskedPatchPrediction(model) if mpp else model
+    trainable = ray.train.torch.prepare_model(trainable)
+    if cfg.compile:
+        trainable = torch.compile(trainable)
+
+    decay, no_decay = [], []
+    for name, p in trainable.named_parameters():
+        (no_decay if p.ndim < 2 or "pos_embed" in name or "cls_token" in name else decay).append(p)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.999),
+    )
+    total_steps = cfg.epochs * len(loader)
+    warmup = effective_warmup(cfg.warmup_steps, total_steps)
+
+    start_epoch, step = 0, 0
+    ckpt = ray.train.get_checkpoint()
+    if ckpt:
+        with ckpt.as_directory() as d:
+            state = torch.load(Path(d) / "train_state.pt", map_location=device, weights_only=False)
+        _unwrap(trainable).load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start_epoch, step = state["epoch"] + 1, state["step"]
+
+    run_id, uri = config["mlflow_run_id"], config["mlflow_uri"]
+    for epoch in range(start_epoch, cfg.epochs):
+        sampler.set_epoch(epoch)
+        train_ds.set_epoch(epoch)
+        trainable.train()
+        t0, seen, loss_sum, correct_sum = time.perf_counter(), 0, 0.0, 0.0
+        for x, y in loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            lr = lr_at(step, total=total_steps, warmup=warmup, peak=cfg.lr, schedule=cfg.schedule)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            with _autocast(device, cfg.bf16):
+                if mpp:
+                    # Appendix B.1.2: loss only on the corrupted patches; "accuracy" is per patch.
+                    logits, targets, corrupted = trainable(x)
+                    logits, targets = logits[corrupted].float(), targets[corrupted]
+                    loss = F.cross_entropy(logits, targets)
+                    correct = (logits.argmax(1) == targets).float().mean() * x.shape[0]
+                else:
+                    logits = trainable(x).float()
+                    if cfg.loss == "sigmoid":
+                        loss = F.binary_cross_entropy_with_logits(logits, y, reduction="sum") / x.shape[0]
+                        correct = (y.gather(1, logits.argmax(1, keepdim=True)) > 0).sum()
+                    else:
+                        loss = F.cross_entropy(logits, y)
+                        correct = (logits.argmax(1) == y).sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.grad_clip:
+                torch.nn.utils.clip_grad_norm_(trainable.parameters(), cfg.grad_clip)
+            opt.step()
+            step += 1
+            seen += x.shape[0]
+            loss_sum += loss.item() * x.shape[0]
+            correct_sum += float(correct)
+            if rank == 0 and run_id and step % cfg.log_every == 0:
+                tracking.log_metrics_to(run_id, {"train_loss": float(loss), "lr": lr}, step=step, uri=uri)
+        elapsed = time.perf_counter() - t0
+        seen_all, loss_all, correct_all = _all_reduce_sum([seen, loss_sum, correct_sum], device)
+        metrics = {
+            "epoch": epoch,
+            "step": step,
+            "train_loss": loss_all / max(1, seen_all),
+            "train_accuracy": correct_all / max(1, seen_all),
+            "images_per_second": seen_all / max(elapsed, 1e-9),
+        }
+        if held_sampler is not None and not mpp:
+            metrics.update(evaluate(trainable, held_ds, held_sampler, per_worker, device, cfg, prefix="holdout"))
+        if rank == 0 and run_id:
+            tracking.log_metrics_to(run_id, {k: v for k, v in metrics.items() if k != "step"}, step=step, uri=uri)
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if rank == 0:
+                torch.save({"model": _unwrap(trainable).state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "step": step},
+                           Path(d) / "train_state.pt")
+                vitcore.save_checkpoint(model, Path(d) / MODEL_FILE)
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def evaluate(model, ds, sampler, batch_size, device, cfg, *, prefix: str) -> dict[str, float]:
+    """Loss and top-1 accuracy on a dataset split across workers, summed over all of them."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    model.eval()
+    n = loss_sum = correct = 0.0
+    with torch.no_grad():
+        for x, y in DataLoader(ds, batch_size=batch_size, sampler=sampler):
+            x, y = x.to(device), y.to(device)
+            with _autocast(device, cfg.bf16):
+                logits = model(x).float()
+            if y.ndim == 2:
+                loss_sum += float(F.binary_cross_entropy_with_logits(logits, y, reduction="sum"))
+                correct += float((y.gather(1, logits.argmax(1, keepdim=True)) > 0).sum())
+            else:
+                loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
+                correct += float((logits.argmax(1) == y).sum())
+            n += x.shape[0]
+    n, loss_sum, correct = _all_reduce_sum([n, loss_sum, correct], device)
+    return {f"{prefix}_loss": loss_sum / max(1, n), f"{prefix}_accuracy": correct / max(1, n)}
+
+
+def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
+    """Run pre-training end to end; returns the final metrics and the saved model's path."""
+    import ray.train
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from pipelines.schema import ShardSet
+    from vitscale import tracking
+    from vitscale.ray_utils import init_ray
+
+    data = Path(cfg.data).expanduser()
+    if not (data / "manifest.json").is_file():
+        raise ConfigError(f"data: {data} has no manifest.json; run jobs/prepare.py --output {data} first")
+    shards = ShardSet(str(data))
+    cfg = dataclasses.replace(cfg, data=str(data.resolve()))
+    output = Path(cfg.output).expanduser().resolve()
+    output.mkdir(parents=True, exist_ok=True)
+    init_ray(cfg.ray_address)
+
+    uri = tracking.tracking_uri()
+    with tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
+                            run_name=cfg.run_name or "pretrain") as run:
+        tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map)})
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={
+                "cfg": dataclasses.asdict(cfg),
+                "mlflow_run_id": run.info.run_id,
+                "mlflow_uri": uri,
+            },
+            scaling_config=ScalingConfig(
+                num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
+                resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
+            ),
+            run_config=RunConfig(
+                name=cfg.run_name or f"pretrain-{run.info.run_id[:8]}",
+                storage_path=str(output / "ray"),
+                checkpoint_config=CheckpointConfig(num_to_keep=2),
+                failure_config=FailureConfig(max_failures=cfg.max_failures),
+            ),
+        )
+        result = trainer.fit()
+        if result.error:
+            raise result.error
+        model_path = output / MODEL_FILE
+        with result.checkpoint.as_directory() as d:
+            shutil.copyfile(Path(d) / MODEL_FILE, model_path)
+        metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
+        summary = {"metrics": metrics, "model": str(model_path), "mlflow_run_id": run.info.run_id,
+                   "label_map": shards.label_map, "objective": cfg.objective}
+        (output / "pretrain_summary.json").write_text(json.dumps(summary, indent=2))
+        tracking.log_dict(summary, "pretrain_summary.json")
+        tracking.log_artifact(model_path, "model")
+    return summary

@@ -1,0 +1,176 @@
+"""The one MLflow helper every job uses.
+
+Embedded default: a ``sqlite:///`` store and a local artifact directory under
+``./mlruns`` (or ``$VITSCALE_HOME``). Set ``MLFLOW_TRACKING_URI`` to point every
+stage at a server instead (``infra/mlflow``). Runs are nested explicitly with
+``parent_run_id``; a stray ``MLFLOW_RUN_ID`` in the environment is ignored so
+that it cannot silently re-parent a run (REFERENCE.md, Ray pitfalls).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+DEFAULT_EXPERIMENT = "vitscale"
+
+
+def home() -> Path:
+    return Path(os.environ.get("VITSCALE_HOME", "mlruns")).resolve()
+
+
+def default_tracking_uri() -> str:
+    return f"sqlite:///{home() / 'mlflow.db'}"
+
+
+def tracking_uri() -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+
+
+def ui_command(uri: str | None = None) -> str:
+    uri = uri or tracking_uri()
+    return f".venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+
+
+def _setup(experiment: str):
+    import mlflow
+
+    uri = tracking_uri()
+    if uri.startswith("sqlite:///"):
+        Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(uri)
+    client = mlflow.MlflowClient(uri)
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        artifact_location = None
+        if uri.startswith("sqlite:///"):
+            art = home() / "artifacts"
+            art.mkdir(parents=True, exist_ok=True)
+            artifact_location = art.as_uri()
+        try:
+            exp_id = client.create_experiment(experiment, artifact_location=artifact_location)
+        except Exception:  # another process created it first
+            exp_id = client.get_experiment_by_name(experiment).experiment_id
+    else:
+        exp_id = exp.experiment_id
+    return mlflow, exp_id
+
+
+def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in params.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            out.update(flatten(value, name + "."))
+        else:
+            text = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
+            out[name] = text[:6000]  # MLflow caps param values
+    return out
+
+
+@contextlib.contextmanager
+def start_run(
+    stage: str,
+    *,
+    params: Mapping[str, Any] | None = None,
+    experiment: str = DEFAULT_EXPERIMENT,
+    parent_run_id: str | None = None,
+    run_name: str | None = None,
+    tags: Mapping[str, str] | None = None,
+) -> Iterator[Any]:
+    """Open an MLflow run for one stage, log its config as params, and yield the active run.
+
+    ``parent_run_id`` defaults to ``$VITSCALE_PARENT_RUN_ID`` so that a driver such as
+    the demo can nest stages it does not construct itself. The run ends FAILED if the
+    body raises, so a crashed stage is visible in the UI.
+    """
+    os.environ.pop("MLFLOW_RUN_ID", None)
+    parent_run_id = parent_run_id or os.environ.get("VITSCALE_PARENT_RUN_ID") or None
+    mlflow, exp_id = _setup(experiment)
+    all_tags = {"vitscale.stage": stage, **(tags or {})}
+    with mlflow.start_run(
+        experiment_id=exp_id,
+        run_name=run_name or stage,
+        parent_run_id=parent_run_id,
+        nested=parent_run_id is not None,
+        tags=all_tags,
+    ) as run:
+        if params:
+            mlflow.log_params(flatten(params))
+        yield run
+
+
+def log_metrics_to(run_id: str, metrics: Mapping[str, float], *, step: int = 0, uri: str | None = None) -> None:
+    """Log to a run by id without making it active: for Ray workers (rank 0) writing into
+    a run the driver owns. Ray Train V2 rejects MLflowLoggerCallback, so this is the path."""
+    import time
+
+    import mlflow
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    client = mlflow.MlflowClient(uri or tracking_uri())
+    client.log_batch(run_id, metrics=[Metric(k, float(v), now, step) for k, v in metrics.items()])
+
+
+def create_child_run(parent_run_id: str, name: str, *, params: Mapping[str, Any] | None = None,
+                     stage: str, uri: str | None = None) -> str:
+    """Create a run nested under ``parent_run_id`` from any process (a Tune trial, say)
+    without touching the process's active run; returns its id."""
+    import mlflow
+    from mlflow.entities import Param
+
+    client = mlflow.MlflowClient(uri or tracking_uri())
+    parent = client.get_run(parent_run_id)
+    run = client.create_run(
+        parent.info.experiment_id,
+        run_name=name,
+        tags={"mlflow.parentRunId": parent_run_id, "vitscale.stage": stage},
+    )
+    if params:
+        client.log_batch(run.info.run_id, params=[Param(k, v) for k, v in flatten(params).items()])
+    return run.info.run_id
+
+
+def end_run(run_id: str, *, failed: bool = False, uri: str | None = None) -> None:
+    import mlflow
+
+    mlflow.MlflowClient(uri or tracking_uri()).set_terminated(run_id, "FAILED" if failed else "FINISHED")
+
+
+def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
+    import mlflow
+
+    mlflow.log_metrics({k: float(v) for k, v in metrics.items()}, step=step)
+
+
+def log_dict(data: Any, artifact_file: str) -> None:
+    import mlflow
+
+    mlflow.log_dict(data, artifact_file)
+
+
+def log_artifact(path: str | Path, artifact_path: str | None = None) -> None:
+    import mlflow
+
+    mlflow.log_artifact(str(path), artifact_path=artifact_path)
+
+
+def log_text(text: str, artifact_file: str) -> None:
+    import mlflow
+
+    mlflow.log_text(text, artifact_file)
+
+
+def get_run(run_id: str):
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri())
+    return mlflow.MlflowClient(tracking_uri()).get_run(run_id)
+
+
+def scratch_dir(prefix: str = "vitscale-") -> str:
+    return tempfile.mkdtemp(prefix=prefix)
