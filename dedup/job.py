@@ -1,0 +1,114 @@
+"""The scheduled de-duplication pass: refresh the test-set index, re-check shards, report, log.
+
+``jobs/dedup.py`` is its entrypoint. Incremental at both ends: the index only
+decodes test images it has not seen (``TestSetIndex.add_source``), and
+:func:`dedup.rescan.rescan` only matches new shards or new/changed test sets.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from PIL import Image
+
+from dedup.index import TestSetIndex, build_test_set_index
+from dedup.registry import iter_images, parse_test_sets
+from dedup.report import write_report
+from dedup.rescan import rescan
+from vitscale.config import check
+
+
+@dataclasses.dataclass
+class DedupConfig:
+    """Re-check an existing shard set against downstream test sets and write removed.jsonl."""
+
+    shards: str = dataclasses.field(metadata={"help": "shard set directory (the ingest output, with manifest.json)"})
+    test_set: list[str] = dataclasses.field(default_factory=list, metadata={
+        "help": "test set as name=source (any source the ingest accepts, or a shard set); repeatable"})
+    index_dir: str | None = dataclasses.field(default=None, metadata={
+        "help": "where the test-set index lives; default SHARDS/dedup_index"})
+    report_dir: str | None = dataclasses.field(default=None, metadata={
+        "help": "where counts, matches and the contact sheet go; default SHARDS/dedup_report"})
+    threshold: int | None = dataclasses.field(default=None, metadata={
+        "help": "Hamming threshold in bits; default the calibrated dedup.calibration.DEFAULT_THRESHOLD"})
+
+    def __post_init__(self):
+        check(bool(self.shards), "shards", "required: the shard set directory to re-check")
+        check(bool(self.test_set) or self.index_dir is not None, "test_set",
+              "give at least one --test-set name=source, or an --index-dir that already holds test sets")
+        try:
+            parse_test_sets(self.test_set)
+        except ValueError as exc:
+            check(False, "test_set", str(exc))
+
+
+def _corpus_loader(shard_dir: Path, keys: set[str]):
+    from pipelines.schema import ShardSet, decode_row_image
+
+    shard_set = ShardSet(shard_dir, honour_removed=False)
+    rows: dict[str, dict] = {}
+
+    def load(key: str) -> Image.Image | None:
+        if not rows:  # one pass over the shards, keeping only the audited rows
+            for batch in shard_set.iter_batches():
+                for row in batch.to_pylist():
+                    if row["key"] in keys:
+                        rows.setdefault(row["key"], row)
+        row = rows.get(key)
+        return None if row is None else Image.fromarray(decode_row_image(row))
+    return load
+
+
+def _test_loader(index: TestSetIndex, sources: dict[str, str]):
+    cache: dict[str, dict[str, Image.Image]] = {}
+
+    def load(test_set: str, key: str) -> Image.Image | None:
+        if test_set not in sources:
+            return None
+        if test_set not in cache:
+            cache[test_set] = {it.key: it.image for it in iter_images(sources[test_set]) if it.image is not None}
+        return cache[test_set].get(key)
+    return load
+
+
+def run(cfg: DedupConfig) -> dict:
+    """Refresh the index, rescan the shards, write the report; returns a summary dict (also logged to MLflow)."""
+    from vitscale import tracking
+
+    shard_dir = Path(cfg.shards)
+    if not (shard_dir / "manifest.json").is_file():
+        raise FileNotFoundError(f"{shard_dir}: no manifest.json; --shards must be a completed ingest output directory")
+    index_dir = Path(cfg.index_dir) if cfg.index_dir else shard_dir / "dedup_index"
+    report_dir = Path(cfg.report_dir) if cfg.report_dir else shard_dir / "dedup_report"
+    sources = parse_test_sets(cfg.test_set)
+    with tracking.start_run("dedup", params=dataclasses.asdict(cfg)) as run_:
+        base = TestSetIndex.load(index_dir, threshold=cfg.threshold) if (index_dir / "index.json").exists() else None
+        index = build_test_set_index(sources, threshold=cfg.threshold, base=base)
+        index.save(index_dir)
+        result = rescan(shard_dir, index)
+        summary = {
+            "message": result.summary(), "nothing_new": result.nothing_new,
+            "shards_total": result.shards_total, "shards_checked": result.shards_checked,
+            "pairs_checked": result.pairs_checked, "rows_scanned": result.rows_scanned,
+            "new_removals": len(result.new_matches), "removals_per_test_set": result.matches_per_test_set,
+            "test_images": index.counts(), "test_quarantined": len(index.quarantine),
+            "threshold": index.threshold, "mlflow_run_id": run_.info.run_id,
+        }
+        tracking.log_metrics({"new_removals": len(result.new_matches), "shards_checked": result.shards_checked,
+                              "rows_scanned": result.rows_scanned, "test_quarantined": len(index.quarantine),
+                              **{f"removed.{k}": v for k, v in result.matches_per_test_set.items()}})
+        tracking.log_dict(summary, "dedup_summary.json")
+        if index.quarantine:
+            tracking.log_dict([dataclasses.asdict(q) for q in index.quarantine], "test_set_quarantine.json")
+        if not result.nothing_new:
+            import json
+
+            manifest = json.loads((shard_dir / "manifest.json").read_text())
+            paths = write_report(report_dir, result.new_matches, test_images=index.counts(),
+                                 corpus_images=int(manifest.get("num_rows", result.rows_scanned)),
+                                 threshold=index.threshold, load_corpus=_corpus_loader(shard_dir, {m["key"] for m in result.new_matches}),
+                                 load_test=_test_loader(index, sources))
+            for p in paths.values():
+                tracking.log_artifact(p, "dedup_report")
+            summary["report_dir"] = str(report_dir)
+    return summary

@@ -1,0 +1,148 @@
+"""Incremental re-check of an existing shard set against the test-set index.
+
+When a test set is added or changed, shards already written may hold
+duplicates of it (paper Section 4.1: pre-training data is de-duplicated against
+every downstream test set). Rewriting shards is expensive, so matches are
+appended to ``removed.jsonl``, which ``pipelines.schema.ShardSet`` honours.
+
+State lives in ``dedup_state.json`` next to the shards: for every shard (by
+sha256) the fingerprint of each test set it has been checked against. A run
+checks only (shard, test set) pairs whose shard is new or whose test set is new
+or changed, so a second run with nothing new does nothing and says so. A change
+of threshold or signature version invalidates every pair.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from dedup import signatures as sig
+from dedup.index import TestSetIndex
+
+STATE = "dedup_state.json"
+REMOVED = "removed.jsonl"
+STATE_FORMAT = 1
+
+
+@dataclasses.dataclass
+class RescanResult:
+    shards_total: int
+    shards_checked: int
+    pairs_checked: int  # (shard, test set) pairs processed this run
+    rows_scanned: int
+    new_matches: list[dict]
+    matches_per_test_set: dict[str, int]
+
+    @property
+    def nothing_new(self) -> bool:
+        return self.pairs_checked == 0
+
+    def summary(self) -> str:
+        if self.nothing_new:
+            return (f"nothing new: all {self.shards_total} shards already checked against every test set "
+                    "at this threshold; no changes made")
+        per = ", ".join(f"{k}={v}" for k, v in sorted(self.matches_per_test_set.items())) or "none"
+        return (f"checked {self.pairs_checked} (shard, test set) pairs over {self.shards_checked}/{self.shards_total} "
+                f"shards, {self.rows_scanned} rows; {len(self.new_matches)} new removals ({per})")
+
+
+def _load_state(path: Path, index: TestSetIndex) -> dict:
+    fresh = {"format": STATE_FORMAT, "signature_version": sig.SIGNATURE_VERSION,
+             "threshold": index.threshold, "shards": {}}
+    if not path.exists():
+        return fresh
+    try:
+        state = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc}); delete it to re-check every shard") from exc
+    if (state.get("signature_version"), state.get("threshold")) != (sig.SIGNATURE_VERSION, index.threshold):
+        return fresh
+    return state
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def read_removed(shard_dir: str | os.PathLike) -> dict[str, dict]:
+    path = Path(shard_dir) / REMOVED
+    out: dict[str, dict] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                row = row if isinstance(row, dict) else {"key": row}
+                out[str(row["key"])] = row
+    return out
+
+
+def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
+    """Match new shards / new test sets of ``shard_dir`` against ``index``; append removals, persist state."""
+    root = Path(shard_dir)
+    manifest_path = root / "manifest.json"
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{root}: no manifest.json; point --shards at a completed ingest output directory")
+    manifest = json.loads(manifest_path.read_text())
+    state_path = root / STATE
+    state = _load_state(state_path, index)
+    fingerprints = {name: index.fingerprint(name) for name in index.counts()}
+    removed = read_removed(root)
+    new_matches: list[dict] = []
+    per_set = {name: 0 for name in fingerprints}
+    checked = pairs = rows = 0
+    for shard in manifest.get("shards", []):
+        entry = state["shards"].setdefault(shard["sha256"], {"path": shard["path"], "test_sets": {}})
+        todo = {n for n, fp in fingerprints.items() if entry["test_sets"].get(n) != fp}
+        if not todo:
+            continue
+        path = root / shard["path"]
+        try:
+            with pa.memory_map(str(path)) as src:
+                table = ipc.open_file(src).read_all().select(["key", "content_hash", "phash"])
+        except (OSError, pa.ArrowInvalid, KeyError) as exc:
+            raise OSError(f"{path}: unreadable or missing key/content_hash/phash ({exc}); re-run the ingest") from exc
+        keys = table.column("key").to_pylist()
+        hashes = table.column("content_hash").to_pylist()
+        phash = table.column("phash").to_pylist()
+        found: dict[int, dict] = {}
+        valid = [i for i, p in enumerate(phash) if p is not None and len(p) == sig.SIGNATURE_BYTES]
+        if valid:
+            qi, rec, dist = index.search(np.frombuffer(b"".join(phash[i] for i in valid), dtype=np.uint8)
+                                         .reshape(-1, sig.SIGNATURE_BYTES))
+            for q, r, d in zip(qi.tolist(), rec.tolist(), dist.tolist()):
+                row, name = valid[q], index.test_set[r]
+                if name in todo and (row not in found or d < found[row]["distance"]):
+                    found[row] = {"key": keys[row], "test_set": name, "matched_key": index.key[r],
+                                  "distance": int(d), "exact": False}
+        for row, h in enumerate(hashes):
+            for r in index._by_hash.get(h, ()):
+                if index.test_set[r] in todo:
+                    found[row] = {"key": keys[row], "test_set": index.test_set[r], "matched_key": index.key[r],
+                                  "distance": 0, "exact": True}
+                    break
+        for row in sorted(found):
+            m = found[row]
+            if m["key"] not in removed:
+                removed[m["key"]] = m
+                new_matches.append(m)
+                per_set[m["test_set"]] = per_set.get(m["test_set"], 0) + 1
+        checked += 1
+        pairs += len(todo)
+        rows += len(keys)
+        for n in todo:
+            entry["test_sets"][n] = fingerprints[n]
+    if new_matches:
+        with open(root / REMOVED, "a") as f:
+            for m in new_matches:
+                f.write(json.dumps(m) + "\n")
+    if pairs:
+        _atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True))
+    return RescanResult(len(manifest.get("shards", [])), checked, pairs, rows, new_matches, per_set)

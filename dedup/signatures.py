@@ -1,0 +1,168 @@
+"""Near-duplicate signatures and exact content hashes of decoded images.
+
+The paper (Section 4.1) de-duplicates pre-training data against downstream test
+sets following BiT (Kolesnikov et al. 2020, Appendix C), whose detector is not
+published. This module is ours: a perceptual code over *luminance only*, so a
+grayscale copy of a colour image has the same signature (Pillow's ``L`` is the
+same ITU-R 601-2 weighting that produced the grayscale copy).
+
+A signature is ``SIGNATURE_BYTES`` bytes: ``CODE_BITS`` sign bits of the lowest
+2-D DCT frequencies of the border-trimmed luminance, resampled to
+``DCT_SIZE``x``DCT_SIZE`` with area averaging (so 0.25x..4x resizes and JPEG
+re-encoding barely move it). Each bit says whether a coefficient lies above the
+median of the selected coefficients, which is invariant to any brightness and
+positive contrast change that does not clip. Uniform borders are trimmed first,
+so an added frame maps back to the original content. Crops are handled on the
+index side (:func:`variant_codes`): each test image is also indexed under the
+crops a corpus copy may have had.
+
+The default threshold and the measured recall and false-match rate are recorded
+in :mod:`dedup.calibration` (``DEFAULT_THRESHOLD`` there, used by the index).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+from PIL import Image
+from scipy.fft import dctn
+
+SIGNATURE_VERSION = 1
+DCT_SIZE = 32
+CODE_BITS = 128
+SIGNATURE_BYTES = CODE_BITS // 8
+WORDS = CODE_BITS // 64
+
+# Coefficients ordered by total frequency u+v, then u, DC excluded: the lowest
+# frequencies survive resizing, re-encoding and small shifts best.
+_ORDER = sorted(((u, v) for u in range(DCT_SIZE) for v in range(DCT_SIZE) if (u, v) != (0, 0)),
+                key=lambda uv: (uv[0] + uv[1], uv[0]))[:CODE_BITS]
+_ROWS = np.array([u for u, _ in _ORDER])
+_COLS = np.array([v for _, v in _ORDER])
+
+# Border trimming works on a small proxy; a row or column is border when it is
+# flat and has the colour of the edge it touches. Tolerances absorb JPEG ringing.
+_TRIM_PROXY = 256
+_TRIM_STD = 2.5
+_TRIM_MEAN = 6.0
+_TRIM_MAX = 0.25
+
+# Index-side crop variants (left, top, right, bottom) as fractions of each side.
+# The code tolerates a few percent of misalignment; this grid over the 0..10%
+# per side range was chosen by the calibration (more variants cost index size
+# and false matches).
+CROP_VARIANTS: tuple[tuple[float, float, float, float], ...] = (
+    (0.0, 0.0, 0.0, 0.0),
+    (0.1, 0.0, 0.0, 0.0), (0.0, 0.1, 0.0, 0.0), (0.0, 0.0, 0.1, 0.0), (0.0, 0.0, 0.0, 0.1),
+    (0.1, 0.1, 0.0, 0.0), (0.0, 0.0, 0.1, 0.1),
+    (0.05, 0.05, 0.05, 0.05), (0.1, 0.1, 0.1, 0.1),
+)
+
+
+def content_hash(img: Image.Image) -> str:
+    """sha256 hex of the decoded pixels, mode and size: identical pixels <=> identical hash."""
+    header = f"{img.mode}:{img.width}x{img.height}:".encode()
+    return hashlib.sha256(header + img.tobytes()).hexdigest()
+
+
+def luminance(img: Image.Image) -> np.ndarray:
+    """float32 luminance in 0..255 of any decoded image (RGB, L, RGBA, P...)."""
+    if img.mode not in ("L", "RGB"):
+        img = img.convert("RGB")
+    if img.mode != "L":
+        img = img.convert("L")
+    return np.asarray(img, dtype=np.float32)
+
+
+def trim_box(lum: np.ndarray) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the content inside uniform borders, in pixels of ``lum``."""
+    h, w = lum.shape
+    scale = max(h, w) / _TRIM_PROXY
+    if scale > 1:
+        proxy = np.asarray(Image.fromarray(lum).resize(
+            (max(1, round(w / scale)), max(1, round(h / scale))), Image.BOX), dtype=np.float32)
+    else:
+        proxy, scale = lum, 1.0
+    ph, pw = proxy.shape
+
+    def run(lines: np.ndarray, limit: int) -> int:
+        edge = lines[0].mean()
+        n = 0
+        while n < limit:
+            line = lines[n]
+            if line.std() > _TRIM_STD or abs(line.mean() - edge) > _TRIM_MEAN:
+                break
+            n += 1
+        return n
+
+    # Repeat so a frame added around an image whose own margin is flat peels down
+    # to the same content as the original: frame first, then the natural margin.
+    left = top = 0
+    right, bottom = pw, ph
+    for _ in range(4):
+        cur = proxy[top:bottom, left:right]
+        ch, cw = cur.shape
+        if ch < 8 or cw < 8:
+            break
+        t = run(cur, int(ph * _TRIM_MAX) - top)
+        b = run(cur[::-1], int(ph * _TRIM_MAX) - (ph - bottom))
+        l = run(cur.T, int(pw * _TRIM_MAX) - left)
+        r = run(cur.T[::-1], int(pw * _TRIM_MAX) - (pw - right))
+        if not (t or b or l or r):
+            break
+        top, bottom, left, right = top + t, bottom - b, left + l, right - r
+    box = (round(left * scale), round(top * scale), w - round((pw - right) * scale), h - round((ph - bottom) * scale))
+    if box[2] - box[0] < 8 or box[3] - box[1] < 8:
+        return (0, 0, w, h)
+    return box
+
+
+def _code(lum: np.ndarray) -> np.ndarray:
+    small = np.asarray(Image.fromarray(lum).resize((DCT_SIZE, DCT_SIZE), Image.BOX), dtype=np.float64)
+    coeffs = dctn(small, norm="ortho")[_ROWS, _COLS]
+    bits = coeffs > np.median(coeffs)
+    return np.packbits(bits)
+
+
+def _crop(lum: np.ndarray, frac: tuple[float, float, float, float]) -> np.ndarray:
+    h, w = lum.shape
+    l, t, r, b = frac
+    return lum[round(t * h): h - round(b * h), round(l * w): w - round(r * w)]
+
+
+def _trimmed(img: Image.Image) -> np.ndarray:
+    lum = luminance(img)
+    l, t, r, b = trim_box(lum)
+    return lum[t:b, l:r]
+
+
+def compute(img: Image.Image) -> bytes:
+    """The near-duplicate signature of a decoded image: ``SIGNATURE_BYTES`` bytes."""
+    return _code(_trimmed(img)).tobytes()
+
+
+def variant_codes(img: Image.Image) -> np.ndarray:
+    """Signatures of the test image under each of ``CROP_VARIANTS``: (len(CROP_VARIANTS), SIGNATURE_BYTES) uint8."""
+    lum = _trimmed(img)
+    return np.stack([_code(_crop(lum, frac)) for frac in CROP_VARIANTS])
+
+
+def to_words(signatures: np.ndarray | bytes | list[bytes]) -> np.ndarray:
+    """Signatures as (n, WORDS) uint64, the layout the index searches."""
+    if isinstance(signatures, (bytes, bytearray)):
+        signatures = [bytes(signatures)]
+    if isinstance(signatures, list):
+        bad = [i for i, s in enumerate(signatures) if len(s) != SIGNATURE_BYTES]
+        if bad:
+            raise ValueError(
+                f"signature #{bad[0]} has {len(signatures[bad[0]])} bytes, expected {SIGNATURE_BYTES}; "
+                "recompute it with dedup.signatures.compute (signature version "
+                f"{SIGNATURE_VERSION})")
+        signatures = np.frombuffer(b"".join(signatures), dtype=np.uint8).reshape(-1, SIGNATURE_BYTES)
+    arr = np.ascontiguousarray(signatures, dtype=np.uint8).reshape(-1, SIGNATURE_BYTES)
+    return arr.view(">u8").astype(np.uint64)
+
+
+def hamming(a: bytes, b: bytes) -> int:
+    """Hamming distance between two signatures."""
+    return int(np.bitwise_count(to_words(a) ^ to_words(b)).sum())

@@ -1,0 +1,28 @@
+import os
+
+import pytest
+
+from dedup.calibration import photo_pool
+
+
+@pytest.fixture(scope="session")
+def pool():
+    return photo_pool()
+
+
+@pytest.fixture(scope="session")
+def photos(pool):
+    """Whole photographs (not tiles), by name."""
+    return {name: img for name, img in pool if "@" not in name}
+
+
+@pytest.fixture(scope="session")
+def tiles(pool):
+    return [img for name, img in pool if "@" in name]
+
+
+@pytest.fixture
+def mlflow_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "mlruns"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path / "mlruns"

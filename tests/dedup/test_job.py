@@ -1,0 +1,93 @@
+"""The scheduled job end to end: a real ingest shard set, real MLflow store, incremental re-checks."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from dedup.job import DedupConfig, run
+from dedup.transforms import apply
+from vitscale.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, photos, tiles):
+    root = tmp_path_factory.mktemp("dedup_job")
+    (root / "corpus").mkdir()
+    for i, img in enumerate(tiles[:10:2]):
+        img.save(root / "corpus" / f"distinct_{i}.png")
+    planted = {"astro_small.png": ("astronaut.png", "resize_0.5"), "cat_q30.jpg": ("chelsea.png", "jpeg_q30"),
+               "coffee_crop.png": ("coffee.png", "crop_10_left")}
+    for fname, (name, transform) in planted.items():
+        apply(transform, photos[name]).save(root / "corpus" / fname)
+    for split, names in (("set_a", ["astronaut.png", "chelsea.png"]), ("set_b", ["coffee.png"])):
+        (root / split).mkdir()
+        for name in names:
+            photos[name].save(root / split / Path(name).with_suffix(".png").name)
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VITSCALE_HOME", str(root / "mlruns"))
+    run_prepare(PrepareConfig(input=[str(root / "corpus")], output=str(root / "shards"), size=160, workers=1,
+                              shard_mb=0.05))
+    mp.undo()
+    return root
+
+
+def _removed(shards: Path) -> list[dict]:
+    return [json.loads(line) for line in (shards / "removed.jsonl").read_text().splitlines()]
+
+
+def test_job_removes_planted_duplicates_incrementally(corpus, monkeypatch):
+    monkeypatch.setenv("VITSCALE_HOME", str(corpus / "mlruns"))
+    shards = corpus / "shards"
+    cfg_a = DedupConfig(shards=str(shards), test_set=[f"set_a={corpus / 'set_a'}"])
+
+    first = run(cfg_a)
+    removed = _removed(shards)
+    assert first["new_removals"] == 2 and {r["test_set"] for r in removed} == {"set_a"}
+    assert {r["matched_key"] for r in removed} == set(_index_keys(shards, "set_a"))
+    for name in ("counts.md", "matches.jsonl", "contact_sheet.png"):
+        assert (shards / "dedup_report" / name).stat().st_size > 0
+
+    from pipelines.schema import ShardSet
+    total = json.loads((shards / "manifest.json").read_text())["num_rows"]
+    assert len(ShardSet(shards)) == total - 2
+
+    second = run(cfg_a)
+    assert second["nothing_new"] and second["pairs_checked"] == 0 and "nothing new" in second["message"]
+    assert len(_removed(shards)) == 2
+
+    cfg_ab = DedupConfig(shards=str(shards), test_set=cfg_a.test_set + [f"set_b={corpus / 'set_b'}"])
+    third = run(cfg_ab)
+    assert third["pairs_checked"] == third["shards_total"]  # only set_b was checked against each shard
+    assert third["removals_per_test_set"] == {"set_a": 0, "set_b": 1}
+    assert len(_removed(shards)) == 3
+
+    mlflow.set_tracking_uri(f"sqlite:///{corpus / 'mlruns' / 'mlflow.db'}")
+    runs = mlflow.search_runs(experiment_names=["vitscale"], filter_string="tags.`vitscale.stage` = 'dedup'")
+    assert sorted(runs["metrics.new_removals"].tolist()) == [0.0, 1.0, 2.0]
+
+
+def _index_keys(shards: Path, test_set: str):
+    from dedup.index import TestSetIndex
+
+    index = TestSetIndex.load(shards / "dedup_index")
+    return [k for k, t in zip(index.key, index.test_set) if t == test_set]
+
+
+def test_job_cli_names_a_missing_shard_set(tmp_path):
+    proc = subprocess.run([sys.executable, "jobs/dedup.py", "--shards", str(tmp_path / "nope"),
+                           "--test-set", f"x={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                          env={"PYTHONPATH": str(REPO), "VITSCALE_HOME": str(tmp_path / "m"), "PATH": "/usr/bin"})
+    assert proc.returncode != 0 and "no manifest.json" in proc.stderr
+
+
+def test_config_rejects_a_test_set_without_a_source():
+    with pytest.raises(ConfigError, match="test_set"):
+        DedupConfig(shards="/data/s", test_set=["cifar10"])
