@@ -14,15 +14,16 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     """Parse ``argv`` into ``cls``, call ``runner``, print its JSON summary.
 
     Usage and config errors (including missing or malformed input paths, which the
-    libraries raise as ``ConfigError`` or ``ShardSetError``) exit 2 with one line that
+    libraries raise as ``ConfigError``, ``PrepareError`` or ``ShardSetError``) exit 2 with one line that
     names the field or file; anything else is a real failure and keeps its traceback.
     """
+    from pipelines.ingest import PrepareError
     from pipelines.schema import ShardSetError
 
     cfg = parse_args(cls, argv, prog=prog)
     try:
         result = runner(cfg)
-    except (ConfigError, ShardSetError) as exc:
+    except (ConfigError, PrepareError, ShardSetError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     if result is not None:

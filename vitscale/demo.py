@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from dataclasses import field
@@ -30,14 +31,15 @@ class DemoConfig:
     epochs: int = field(default=12, metadata={"help": "pre-training epochs"})
     batch_size: int = field(default=64, metadata={"help": "pre-training global batch"})
     lr: float = field(default=1e-3, metadata={"help": "pre-training Adam learning rate"})
-    finetune_steps: int = field(default=150, metadata={"help": "SGD steps per learning rate"})
+    finetune_steps: int = field(default=300, metadata={"help": "SGD steps per learning rate"})
     finetune_batch_size: int = field(default=64, metadata={"help": "fine-tuning batch"})
-    lrs: list[float] = field(default_factory=lambda: [0.01, 0.03, 0.1], metadata={"help": "fine-tuning learning-rate grid"})
+    lrs: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.3], metadata={"help": "fine-tuning learning-rate grid"})
     num_workers: int = field(default=2, metadata={"help": "Ray Train workers"})
     prepare_workers: int = field(default=2, metadata={"help": "Beam DirectRunner workers"})
     per_shape: int = field(default=60, metadata={"help": "generated images per shape class"})
     per_photo: int = field(default=24, metadata={"help": "crops per real photograph class"})
     seed: int = field(default=0, metadata={"help": "seed for data generation and training"})
+    verbose: bool = field(default=False, metadata={"help": "stream Beam and Ray worker logs to the console"})
 
     def __post_init__(self) -> None:
         for name in ("img_size", "finetune_img_size", "epochs", "batch_size", "finetune_steps", "num_workers",
@@ -46,18 +48,29 @@ class DemoConfig:
         check(len(self.lrs) > 0, "lrs", "give at least one learning rate")
 
 
-def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_sets: list[str]) -> dict:
+def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_sets: list[str], verbose: bool) -> dict:
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
 
-    return run_prepare(PrepareConfig(input=inputs, output=str(output), size=size, workers=workers, test_set=test_sets))
+    options = [] if verbose else ["--default_sdk_harness_log_level=WARNING"]
+    return run_prepare(PrepareConfig(input=inputs, output=str(output), size=size, workers=workers,
+                                     test_set=test_sets, beam_options=options))
+
+
+def _stage(n: int, text: str) -> None:
+    print(f"==> [{n}/4] {text}", flush=True)
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from vitscale import demo_data, tracking
     from vitscale.finetune import FinetuneConfig, run_finetune
     from vitscale.pretrain import PretrainConfig, run_pretrain
+    from vitscale.ray_utils import init_ray
 
+    if not cfg.verbose:
+        logging.getLogger().setLevel(logging.WARNING)
+        logging.getLogger("apache_beam").setLevel(logging.WARNING)
+    init_ray(log_to_driver=cfg.verbose)
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
     # The demo's MLflow store lives with its outputs unless the user points elsewhere.
@@ -67,19 +80,22 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     with tracking.start_run("demo", params=dataclasses.asdict(cfg)) as demo_run:
         os.environ["VITSCALE_PARENT_RUN_ID"] = demo_run.info.run_id
         try:
+            _stage(1, "building the corpus and the downstream task")
             t = time.perf_counter()
             data = demo_data.build(work / "data", per_shape=cfg.per_shape, per_photo=cfg.per_photo, seed=cfg.seed)
             timings["data"] = time.perf_counter() - t
 
+            _stage(2, "Beam ingest: corpus (de-duplicated against digits test), digits train, digits test")
             t = time.perf_counter()
             corpus = _prepare([str(data.corpus)], work / "shards" / "corpus", size=cfg.shard_size,
-                              workers=cfg.prepare_workers, test_sets=[f"digits_test={data.test}"])
+                              workers=cfg.prepare_workers, test_sets=[f"digits_test={data.test}"], verbose=cfg.verbose)
             train = _prepare([str(data.train)], work / "shards" / "digits-train", size=cfg.shard_size,
-                             workers=1, test_sets=[])
+                             workers=1, test_sets=[], verbose=cfg.verbose)
             test = _prepare([str(data.test)], work / "shards" / "digits-test", size=cfg.shard_size,
-                            workers=1, test_sets=[])
+                            workers=1, test_sets=[], verbose=cfg.verbose)
             timings["prepare"] = time.perf_counter() - t
 
+            _stage(3, f"Ray Train: pre-training {cfg.variant} (depth {cfg.depth}) on {cfg.num_workers} workers")
             t = time.perf_counter()
             pre = run_pretrain(PretrainConfig(
                 data=str(work / "shards" / "corpus"), output=str(work / "pretrain"), variant=cfg.variant,
@@ -89,6 +105,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             ))
             timings["pretrain"] = time.perf_counter() - t
 
+            _stage(4, f"Ray Tune: fine-tuning over learning rates {list(cfg.lrs)}")
             t = time.perf_counter()
             fine = run_finetune(FinetuneConfig(
                 train=str(work / "shards" / "digits-train"), test=str(work / "shards" / "digits-test"),

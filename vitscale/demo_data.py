@@ -206,11 +206,11 @@ def build(
             if split_dir is test_dir:
                 test_paths.append(p)
 
-    # Planted near-duplicates of test images: rescaled 0.75x-2x and re-encoded as JPEG.
+    # Planted near-duplicates of test images: rescaled 1x-2x and re-encoded as JPEG.
     plant_dir = corpus / SHAPE_CLASSES[0]
     for k, j in enumerate(rng.choice(len(test_paths), size=planted, replace=False)):
         src = Image.open(test_paths[j]).convert("RGB")
-        scale = float(rng.uniform(0.75, 2.0))
+        scale = float(rng.uniform(1.0, 2.0))  # prepare quarantines images under 32 px
         side = max(16, int(round(32 * scale)))
         src.resize((side, side), Image.BICUBIC).save(
             plant_dir / f"planted_{k:03d}.jpg", "JPEG", quality=int(rng.integers(70, 95))

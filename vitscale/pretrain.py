@@ -248,7 +248,7 @@ def train_loop_per_worker(config: dict) -> None:
             loss_sum += loss.item() * x.shape[0]
             correct_sum += float(correct)
             if rank == 0 and run_id and step % cfg.log_every == 0:
-                tracking.log_metrics_to(run_id, {"train_loss": float(loss), "lr": lr}, step=step, uri=uri)
+                tracking.log_metrics_to(run_id, {"train_loss": loss.item(), "lr": lr}, step=step, uri=uri)
         elapsed = time.perf_counter() - t0
         seen_all, loss_all, correct_all = _all_reduce_sum([seen, loss_sum, correct_sum], device)
         metrics = {

@@ -7,7 +7,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> None:
+def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
     """Connect to Ray once.
 
     - Already connected (a test session, a Tune trial): nothing to do.
@@ -26,7 +26,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> None
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=log_to_driver)
         return
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
@@ -34,6 +34,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None) -> None
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         runtime_env={"env_vars": {"PYTHONPATH": pythonpath}},
+        log_to_driver=log_to_driver,
         configure_logging=True,
         logging_level="WARNING",
     )

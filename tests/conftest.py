@@ -1,0 +1,68 @@
+"""Fixtures shared across the suite: one Ray instance for the whole session, a throwaway MLflow store."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """Ray started once, in-process, for every test that needs it (starting Ray costs seconds).
+
+    Four logical CPUs on a two-core machine: Ray Train's two workers plus Tune trials must be
+    schedulable together, and they are mostly waiting on each other in these small runs.
+    """
+    import ray
+
+    from vitscale.ray_utils import init_ray
+
+    init_ray(num_cpus=4)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A fresh sqlite MLflow store for one test."""
+    home = tmp_path / "mlruns"
+    monkeypatch.setenv("VITSCALE_HOME", str(home))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    monkeypatch.delenv("VITSCALE_PARENT_RUN_ID", raising=False)
+    return home
+
+
+def mlflow_client():
+    import mlflow
+
+    from vitscale import tracking
+
+    return mlflow.MlflowClient(tracking.tracking_uri())
+
+
+# A demo run shrunk to test size: the same stages, far fewer images and steps.
+SMALL_DEMO = dict(
+    per_shape=10, per_photo=5, epochs=2, batch_size=32, finetune_steps=12, finetune_batch_size=32,
+    lrs=[0.01, 0.1], num_workers=2, prepare_workers=2,
+)
+
+
+@pytest.fixture(scope="session")
+def small_demo(tmp_path_factory, ray_session):
+    """Run the whole demo chain once (Beam → Ray Train → Ray Tune → MLflow) and share its outputs."""
+    from vitscale.demo import DemoConfig, run_demo
+
+    work = tmp_path_factory.mktemp("demo")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VITSCALE_HOME", str(work / "mlruns"))
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mp.delenv("VITSCALE_PARENT_RUN_ID", raising=False)
+    try:
+        summary = run_demo(DemoConfig(workdir=str(work), **SMALL_DEMO))
+        yield {"work": work, "summary": summary, "home": work / "mlruns"}
+    finally:
+        mp.undo()

@@ -1,0 +1,105 @@
+"""Every stage is its own entrypoint: --help, clear usage errors, and `ray job submit`."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+JOBS = ["prepare", "pretrain", "finetune", "demo"]
+
+
+def run_job(name, *args, env=None, timeout=120):
+    return subprocess.run([sys.executable, str(REPO / "jobs" / f"{name}.py"), *args], capture_output=True,
+                          text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_help(name):
+    out = run_job(name, "--help")
+    assert out.returncode == 0, out.stderr
+    assert "--config FILE" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("pretrain", ["--data", "/x", "--objective", "nope"], "objective: expected one of 'classification', 'mpp'"),
+        ("pretrain", ["--data", "/no/such/shards"], "data: /no/such/shards has no manifest.json"),
+        ("finetune", ["--train", "/a", "--test", "/b", "--lrs", "-1"], "lrs: every learning rate must be positive"),
+        ("demo", ["--epochs", "0"], "epochs: must be positive"),
+    ],
+)
+def test_usage_errors_exit_2_and_name_the_problem(name, args, message):
+    out = run_job(name, *args)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    """A separate `ray start --head` cluster on loopback, torn down by its process group.
+
+    (`ray stop` would also kill the suite's own in-process Ray.)
+    """
+    port, dash = _free_port(), _free_port()
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("RAY_ADDRESS", None)
+    temp = Path("/tmp") / f"rh{port}"
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+         f"--port={port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
+         "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+    )
+    address = f"http://127.0.0.1:{dash}"
+    deadline = time.time() + 120
+    import urllib.request
+
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{address}/api/version", timeout=2)
+            break
+        except OSError:
+            time.sleep(1)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("ray start --head did not bring the dashboard up in 120 s")
+    try:
+        yield address, env
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_ray_job_submit_runs_pretrain(ray_head, small_demo, tmp_path):
+    address, env = ray_head
+    if (Path.home() / ".ray" / "auth_token").exists():
+        env["RAY_AUTH_MODE"] = "token"  # clusters from `ray start --head` use token auth
+    shards = small_demo["work"] / "shards" / "corpus"
+    out_dir = tmp_path / "job_out"
+    runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
+    cmd = [str(Path(sys.executable).parent / "ray"), "job", "submit", "--address", address,
+           "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
+           "python", "jobs/pretrain.py", "--data", str(shards), "--output", str(out_dir), "--variant", "Ti/8",
+           "--depth", "1", "--img-size", "32", "--epochs", "1", "--batch-size", "32", "--num-workers", "1"]
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "succeeded" in out.stdout + out.stderr
+    summary = json.loads((out_dir / "pretrain_summary.json").read_text())
+    assert (out_dir / "model.safetensors").exists() and summary["metrics"]["epoch"] == 0

@@ -1,0 +1,58 @@
+"""Typed stage configs: files, CLI overrides and errors that name the field."""
+import json
+
+import pytest
+
+from vitscale.config import ConfigError, from_dict, parse_args
+from vitscale.finetune import FinetuneConfig
+from vitscale.pretrain import PretrainConfig
+
+
+def test_file_then_flags_override(tmp_path):
+    path = tmp_path / "pre.yaml"
+    path.write_text("data: /d\nvariant: S/16\nepochs: 3\nlr: 0.0005\n")
+    cfg = parse_args(PretrainConfig, ["--config", str(path), "--epochs", "7"])
+    assert (cfg.data, cfg.variant, cfg.epochs, cfg.lr) == ("/d", "S/16", 7, 0.0005)
+
+
+def test_json_config_and_list_fields(tmp_path):
+    path = tmp_path / "ft.json"
+    path.write_text(json.dumps({"train": "/a", "test": "/b", "lrs": [0.001, 0.01]}))
+    assert parse_args(FinetuneConfig, ["--config", str(path)]).lrs == [0.001, 0.01]
+    assert parse_args(FinetuneConfig, ["--config", str(path), "--lrs", "0.1,0.3"]).lrs == [0.1, 0.3]
+    assert parse_args(FinetuneConfig, ["--config", str(path), "--lrs", "0.1", "--lrs", "0.3"]).lrs == [0.1, 0.3]
+
+
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        ({"data": "/d", "objective": "contrastive"}, "objective: expected one of 'classification', 'mpp'"),
+        ({"data": "/d", "epochs": "many"}, "epochs: expected an integer, got 'many'"),
+        ({"data": "/d", "epochs": 0}, "epochs: must be a positive integer"),
+        ({"data": "/d", "dropout": 1.5}, "dropout: must be in [0, 1)"),
+        ({"data": "/d", "lerning_rate": 0.1}, "unknown field(s) lerning_rate"),
+        ({"variant": "B/16"}, "required field(s) missing: data"),
+    ],
+)
+def test_invalid_values_name_the_field(data, message):
+    with pytest.raises(ConfigError) as err:
+        from_dict(PretrainConfig, data)
+    assert message in str(err.value)
+
+
+def test_cli_error_exits_2_with_the_field(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(PretrainConfig, ["--data", "/d", "--loss", "hinge"], prog="pretrain")
+    assert exit_.value.code == 2
+    assert "loss: expected one of 'softmax', 'sigmoid', got 'hinge'" in capsys.readouterr().err
+
+
+def test_missing_and_malformed_config_files(tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args(PretrainConfig, ["--config", str(tmp_path / "nope.yaml")])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        from vitscale.config import load_file
+
+        load_file(bad)

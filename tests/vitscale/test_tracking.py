@@ -1,0 +1,43 @@
+"""The one MLflow helper: a real sqlite store, explicit nesting, worker-side logging."""
+import mlflow
+
+from vitscale import tracking
+
+
+def test_runs_nest_and_record_params_and_metrics(mlflow_store):
+    with tracking.start_run("parent", params={"a": 1, "nested": {"b": [1, 2]}}) as parent:
+        pid = parent.info.run_id
+    with tracking.start_run("child", parent_run_id=pid) as child:
+        tracking.log_metrics({"loss": 0.5}, step=3)
+    trial = tracking.create_child_run(pid, "trial", stage="finetune-trial", params={"lr": 0.01})
+    tracking.log_metrics_to(trial, {"val_accuracy": 0.75}, step=10)
+    tracking.end_run(trial)
+
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    assert tracking.tracking_uri().startswith("sqlite:///") and (mlflow_store / "mlflow.db").exists()
+    p = client.get_run(pid)
+    assert p.data.params == {"a": "1", "nested.b": "[1, 2]"}
+    assert p.data.tags["vitscale.stage"] == "parent"
+    c = client.get_run(child.info.run_id)
+    assert c.data.tags["mlflow.parentRunId"] == pid and c.data.metrics["loss"] == 0.5
+    t = client.get_run(trial)
+    assert t.data.tags["mlflow.parentRunId"] == pid
+    assert t.data.metrics["val_accuracy"] == 0.75 and t.info.status == "FINISHED"
+
+
+def test_failed_stage_is_marked_failed(mlflow_store):
+    try:
+        with tracking.start_run("boom") as run:
+            raise RuntimeError("stage crashed")
+    except RuntimeError:
+        pass
+    assert mlflow.MlflowClient(tracking.tracking_uri()).get_run(run.info.run_id).info.status == "FAILED"
+
+
+def test_stray_mlflow_run_id_does_not_reparent(mlflow_store, monkeypatch):
+    with tracking.start_run("other") as other:
+        pass
+    monkeypatch.setenv("MLFLOW_RUN_ID", other.info.run_id)
+    with tracking.start_run("fresh") as fresh:
+        pass
+    assert fresh.info.run_id != other.info.run_id
