@@ -1,10 +1,12 @@
 """Every stage is its own entrypoint: --help, clear usage errors, and `ray job submit`."""
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,23 +57,34 @@ def ray_head(tmp_path):
     (`ray stop` would also kill the suite's own in-process Ray.)
     """
     port, dash = _free_port(), _free_port()
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    bin_dir = Path(sys.executable).parent
+    # `ray start --head` turns on token auth; clients then need RAY_AUTH_MODE=token and the token.
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RAY_AUTH_MODE="token")
     env.pop("RAY_ADDRESS", None)
-    temp = Path("/tmp") / f"rh{port}"
+    subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True,
+                   capture_output=True, timeout=60)
+    # Short path: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
+    temp = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))
+    # Every agent port explicitly: the suite's in-process Ray already holds the defaults.
+    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+                   f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"]
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
-         "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats"],
+         "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats", *agent_ports],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
+    import urllib.error
     import urllib.request
 
     while time.time() < deadline:
         try:
             urllib.request.urlopen(f"{address}/api/version", timeout=2)
             break
+        except urllib.error.HTTPError:
+            break  # the dashboard answers (401 until a token is sent): it is up
         except OSError:
             time.sleep(1)
     else:
@@ -85,12 +98,11 @@ def ray_head(tmp_path):
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_ray_job_submit_runs_pretrain(ray_head, small_demo, tmp_path):
+def test_ray_job_submit_runs_pretrain(small_demo, ray_head, tmp_path):
     address, env = ray_head
-    if (Path.home() / ".ray" / "auth_token").exists():
-        env["RAY_AUTH_MODE"] = "token"  # clusters from `ray start --head` use token auth
     shards = small_demo["work"] / "shards" / "corpus"
     out_dir = tmp_path / "job_out"
     runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
@@ -98,7 +110,12 @@ def test_ray_job_submit_runs_pretrain(ray_head, small_demo, tmp_path):
            "--working-dir", ".", "--runtime-env-json", json.dumps(runtime_env), "--",
            "python", "jobs/pretrain.py", "--data", str(shards), "--output", str(out_dir), "--variant", "Ti/8",
            "--depth", "1", "--img-size", "32", "--epochs", "1", "--batch-size", "32", "--num-workers", "1"]
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+    for _ in range(20):
+        out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=480)
+        # The dashboard answers before its job agent has registered; the CLI says to retry.
+        if "No available agent to submit job" not in out.stderr:
+            break
+        time.sleep(2)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     assert "succeeded" in out.stdout + out.stderr
     summary = json.loads((out_dir / "pretrain_summary.json").read_text())
