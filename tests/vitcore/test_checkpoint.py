@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+import vitcore
+
+
+def trained_tiny(**kw):
+    torch.manual_seed(0)
+    model = vitcore.create_model("mu/8", img_size=32, num_classes=5, depth=2, **kw)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return model.eval()
+
+
+@pytest.mark.parametrize("options", [dict(gelu="erf", representation_size=16),
+                                     dict(posemb="2d", classifier="gap"), dict(posemb="relative")])
+def test_save_and_load_reproduce_model_and_config(tmp_path, options):
+    model = trained_tiny(**options)
+    path = tmp_path / "ckpt" / "model.safetensors"
+    vitcore.save_checkpoint(model, path)
+    loaded = vitcore.load_checkpoint(path).eval()
+    assert loaded.config == model.config
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_load_at_higher_resolution_and_new_head(tmp_path):
+    model = trained_tiny()
+    vitcore.save_checkpoint(model, tmp_path / "m.safetensors")
+    with pytest.warns(UserWarning, match="head shape does not match"):
+        ft = vitcore.load_checkpoint(tmp_path / "m.safetensors", img_size=48, num_classes=10)
+    assert ft.pos_embed.shape == (1, 37, 32) and ft.load_report.resized
+    assert torch.count_nonzero(ft.head.weight) == 0
+    torch.testing.assert_close(ft.pos_embed[:, 0], model.pos_embed[:, 0])
+    assert ft(torch.zeros(1, 3, 48, 48)).shape == (1, 10)
+
+
+def test_bad_files_are_named(tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"\x00" * 5)
+    with pytest.raises(ValueError, match="junk.safetensors: not a readable safetensors"):
+        vitcore.load_checkpoint(junk)
+    with pytest.raises(FileNotFoundError, match="nope.safetensors"):
+        vitcore.load_checkpoint(tmp_path / "nope.safetensors")
+    vitcore.save_checkpoint(trained_tiny(), tmp_path / "ok.safetensors")
+    with pytest.raises(ValueError, match="unknown override\\(s\\) \\['imgsize'\\]"):
+        vitcore.load_checkpoint(tmp_path / "ok.safetensors", imgsize=64)

@@ -1,0 +1,55 @@
+import pytest
+import torch
+from torch import nn
+
+import vitcore
+from vitcore.model import Attention
+
+
+def test_b16_macs_match_published_figures():
+    assert vitcore.count_macs("B/16") == pytest.approx(17.58e9, rel=2e-3)
+    assert vitcore.count_macs("B/16", img_size=384) == pytest.approx(55.5e9, rel=2e-3)
+    assert vitcore.train_flops_per_image("B/16") == pytest.approx(105.5e9, rel=2e-3)
+
+
+def hooked_macs(model, img_size):
+    """Count MACs by observing every conv, linear and attention call on a real forward."""
+    total = [0]
+
+    def conv(m, inp, out):
+        total[0] += out[0].numel() * m.in_channels // m.groups * m.kernel_size[0] * m.kernel_size[1]
+
+    def linear(m, inp, out):
+        total[0] += out[0].numel() * m.in_features
+
+    def attn(m, inp, out):
+        _, seq, dim = inp[0].shape
+        total[0] += 2 * seq * seq * dim
+        if m.rel_pos is not None:
+            total[0] += seq * (2 * seq - 1) * dim
+    for mod in model.modules():
+        if isinstance(mod, nn.Conv2d):
+            mod.register_forward_hook(conv)
+        elif isinstance(mod, nn.Linear):
+            mod.register_forward_hook(linear)
+        elif isinstance(mod, Attention):
+            mod.register_forward_hook(attn)
+    with torch.no_grad():
+        model(torch.zeros(1, 3, *img_size))
+    return total[0]
+
+
+@pytest.mark.parametrize("variant,kw", [("mu/8", dict(img_size=(32, 48), representation_size=16)),
+                                        ("mu/8", dict(img_size=32, posemb="relative", classifier="gap")),
+                                        ("R50+B/16", dict(img_size=64, depth=1, width=64, num_heads=2, mlp_dim=32))])
+def test_analytic_count_equals_observed_count(variant, kw):
+    model = vitcore.create_model(variant, num_classes=7, **kw)
+    assert vitcore.count_macs(model) == hooked_macs(model, model.config.img_size)
+
+
+def test_bf16_peaks():
+    assert vitcore.bf16_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert vitcore.bf16_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert vitcore.bf16_peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert vitcore.bf16_peak_flops("NVIDIA H200") == 989e12
+    assert vitcore.bf16_peak_flops("Tesla T4") is None

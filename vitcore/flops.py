@@ -1,0 +1,98 @@
+"""Analytic compute per image, counted from shapes: multiply-accumulates of every conv,
+dense layer and attention matmul (norms, softmax and activations are left out, as is
+usual; they are well under 1% for ViT). ViT-B/16 at 224 px comes to about 17.6 GMACs.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .model import ViTConfig, VisionTransformer
+from .variants import decode_variant, resnet_stride
+
+# Dense bf16 peaks in FLOP/s, for model FLOP utilisation (MFU).
+BF16_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100 SXM": 989e12,  # also H100 HBM3 / "H100 80GB HBM3"
+    "H100 NVL": 835e12,
+    "H100 PCIe": 756e12,
+    "A100": 312e12,
+}
+
+
+def bf16_peak_flops(device_name: str) -> float | None:
+    """Dense bf16 peak for a CUDA device name, or None when unknown."""
+    name = device_name.upper()
+    if "H200" in name:
+        return BF16_PEAK_FLOPS["H200"]
+    if "H100" in name:
+        if "PCIE" in name:
+            return BF16_PEAK_FLOPS["H100 PCIe"]
+        if "NVL" in name:
+            return BF16_PEAK_FLOPS["H100 NVL"]
+        return BF16_PEAK_FLOPS["H100 SXM"]
+    if "A100" in name:
+        return BF16_PEAK_FLOPS["A100"]
+    return None
+
+
+def _resnet_macs(layers: tuple[int, ...], in_chans: int, h: int, w: int, width: int = 64) -> tuple[int, int, int, int]:
+    """MACs of the BiT stem; returns (macs, out_h, out_w, out_channels)."""
+    h, w = math.ceil(h / 2), math.ceil(w / 2)  # 7x7 stride-2 root conv, 'SAME'
+    macs = h * w * width * in_chans * 49
+    h, w = math.ceil(h / 2), math.ceil(w / 2)  # 3x3 stride-2 max-pool
+    in_ch = width
+    for i, depth in enumerate(layers):
+        f = width * 2 ** i
+        for u in range(depth):
+            stride = 2 if (i > 0 and u == 0) else 1
+            oh, ow = math.ceil(h / stride), math.ceil(w / stride)
+            macs += h * w * f * in_ch  # conv1 1x1 at the input resolution
+            macs += oh * ow * f * f * 9  # conv2 3x3 carries the stride
+            macs += oh * ow * 4 * f * f  # conv3 1x1
+            if in_ch != 4 * f or stride != 1:
+                macs += oh * ow * 4 * f * in_ch  # projection shortcut
+            h, w, in_ch = oh, ow, 4 * f
+    return macs, h, w, in_ch
+
+
+def count_macs(model_or_config: VisionTransformer | ViTConfig | str, img_size: int | tuple[int, int] | None = None,
+               num_classes: int | None = None) -> int:
+    """Forward multiply-accumulates for one image."""
+    if isinstance(model_or_config, str):
+        spec = decode_variant(model_or_config)
+        cfg = ViTConfig(variant=model_or_config, img_size=img_size or 224,
+                        num_classes=1000 if num_classes is None else num_classes, **spec)
+    else:
+        cfg = model_or_config.config if isinstance(model_or_config, VisionTransformer) else model_or_config
+        if img_size is not None or num_classes is not None:
+            fields = cfg.to_dict()
+            fields.update({k: v for k, v in (("img_size", img_size), ("num_classes", num_classes)) if v is not None})
+            cfg = ViTConfig.from_dict(fields)
+    d, gh, gw = cfg.width, *cfg.grid
+    n = gh * gw
+    if cfg.resnet_layers is None:
+        macs = n * d * cfg.in_chans * cfg.patch_size ** 2
+    else:
+        macs, fh, fw, ch = _resnet_macs(cfg.resnet_layers, cfg.in_chans, *cfg.img_size)
+        k = cfg.patch_size // resnet_stride(cfg.resnet_layers)
+        macs += n * d * ch * k * k
+    seq = cfg.seq_len
+    per_block = (seq * d * 3 * d  # qkv projection
+                 + 2 * seq * seq * d  # q k^T and attention-weighted values
+                 + seq * d * d  # output projection
+                 + 2 * seq * d * cfg.mlp_dim)  # MLP
+    if cfg.posemb == "relative":
+        per_block += seq * (2 * seq - 1) * d  # queries against the offset table
+    macs += cfg.depth * per_block
+    rep = cfg.representation_size or d
+    if cfg.representation_size:
+        macs += d * rep
+    macs += rep * cfg.num_classes
+    return int(macs)
+
+
+def train_flops_per_image(model_or_config, img_size=None, num_classes=None) -> int:
+    """FLOPs of one training step per image: 2 FLOPs per MAC, and the backward pass
+    costs twice the forward (gradients for activations and for weights)."""
+    return 3 * 2 * count_macs(model_or_config, img_size, num_classes)
