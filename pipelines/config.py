@@ -1,0 +1,103 @@
+"""The ``prepare`` stage config: one typed dataclass, loadable from YAML and overridable by flags."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Literal
+
+from vitscale.config import check
+
+from pipelines.decode import DEFAULT_MAX_MEGAPIXELS
+
+
+def _default_workers() -> int:
+    return max(1, os.cpu_count() or 1)
+
+
+@dataclasses.dataclass
+class PrepareConfig:
+    """Ingest an image corpus into validated, de-duplicated Arrow IPC shards."""
+
+    input: list[str] = dataclasses.field(
+        default_factory=list,
+        metadata={"help": "source to ingest: image folder tree, tar archive(s), CSV/JSONL/Parquet manifest or "
+                          "shard set, on any fsspec URL; repeat for several"},
+    )
+    output: str = dataclasses.field(default="", metadata={"help": "output shard set directory (local or fsspec URL)"})
+    size: int = dataclasses.field(
+        default=384, metadata={"help": "resize the shorter side to this many pixels (the paper fine-tunes at 384)"}
+    )
+    max_long_side: int | None = dataclasses.field(
+        default=None, metadata={"help": "optional cap on the longer side after resizing (panoramas)"}
+    )
+    upscale: bool = dataclasses.field(default=False, metadata={"help": "also enlarge images smaller than --size"})
+    quality: int = dataclasses.field(default=90, metadata={"help": "JPEG quality of the stored images"})
+    store: Literal["jpeg", "raw"] = dataclasses.field(
+        default="jpeg", metadata={"help": "store re-encoded JPEG, or raw uint8 HxWx3 pixels (larger, no decode cost)"}
+    )
+    workers: int = dataclasses.field(
+        default_factory=_default_workers,
+        metadata={"help": "DirectRunner worker processes; 1 runs in-process (fast start for small corpora)"},
+    )
+    test_set: list[str] = dataclasses.field(
+        default_factory=list,
+        metadata={"help": "NAME=SRC: drop corpus images that duplicate an image of this downstream test set "
+                          "(paper Sec. 4.1, after BiT); repeat for several"},
+    )
+    max_megapixels: float = dataclasses.field(
+        default=DEFAULT_MAX_MEGAPIXELS, metadata={"help": "quarantine images above this many megapixels (bombs)"}
+    )
+    min_short_side: int = dataclasses.field(
+        default=32, metadata={"help": "quarantine images whose shorter side is below this many pixels"}
+    )
+    shard_mb: float = dataclasses.field(default=256.0, metadata={"help": "target shard size in MB"})
+    label_map: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "JSON file of label name -> id (or a list of names, id = position); items with other "
+                          "labels are quarantined. Default: sorted names seen in the corpus"},
+    )
+    runner: str = dataclasses.field(
+        default="DirectRunner", metadata={"help": "Beam runner: DirectRunner, DataflowRunner, FlinkRunner, ..."}
+    )
+    beam_options: list[str] = dataclasses.field(
+        default_factory=list,
+        metadata={"help": "extra Beam pipeline options, e.g. --project=p; see infra/beam/*.yaml"},
+    )
+    isolate_decoder: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "decode in a subprocess so a crash in a native decoder becomes a quarantine record "
+                          "instead of a dead worker (slower)"},
+    )
+
+    def __post_init__(self) -> None:
+        check(len(self.input) > 0, "input", "at least one --input source is required")
+        check(all(isinstance(s, str) and s.strip() for s in self.input), "input", "sources must be non-empty strings")
+        check(bool(self.output.strip()), "output", "an --output directory is required")
+        check(self.size >= 1, "size", f"must be a positive number of pixels, got {self.size}")
+        check(
+            self.max_long_side is None or self.max_long_side >= self.size,
+            "max_long_side",
+            f"must be at least --size ({self.size}), got {self.max_long_side}",
+        )
+        check(1 <= self.quality <= 100, "quality", f"JPEG quality must be in 1..100, got {self.quality}")
+        check(self.workers >= 1, "workers", f"must be at least 1, got {self.workers}")
+        check(self.max_megapixels > 0, "max_megapixels", f"must be positive, got {self.max_megapixels}")
+        check(self.min_short_side >= 0, "min_short_side", f"must be >= 0, got {self.min_short_side}")
+        check(self.shard_mb > 0, "shard_mb", f"must be positive, got {self.shard_mb}")
+        names = []
+        for spec in self.test_set:
+            name, sep, source = spec.partition("=")
+            check(
+                bool(sep and name.strip() and source.strip()),
+                "test_set",
+                f"{spec!r}: expected NAME=SRC, e.g. cifar10=/data/cifar10/test",
+            )
+            check(name.strip() != "corpus", "test_set", f"{spec!r}: 'corpus' is reserved for in-corpus duplicates")
+            names.append(name.strip())
+        check(len(names) == len(set(names)), "test_set", f"test set names must be unique, got {names}")
+        for opt in self.beam_options:
+            check(opt.startswith("--"), "beam_options", f"{opt!r}: expected --name=value")
+
+    def test_sets(self) -> dict[str, str]:
+        """``--test-set`` as an ordered mapping name -> source."""
+        return {s.partition("=")[0].strip(): s.partition("=")[2].strip() for s in self.test_set}

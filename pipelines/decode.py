@@ -1,0 +1,237 @@
+"""Decode and validate one image: bytes in, 8-bit RGB ``PIL.Image`` out, or :class:`BadImage`.
+
+This is the single decoder of the project: the Beam ingest uses it for the
+corpus and ``dedup`` uses it for test sets, so both see the same pixels for the
+same file. It imports neither Beam nor Ray.
+
+Accepted formats are those of the pre-training corpora the paper uses
+(ImageNet, ImageNet-21k, JFT): JPEG (including camera MPO files), PNG, WebP,
+GIF (first frame), BMP and TIFF (first page). Everything else is rejected with
+a stable reason string (:data:`REASONS`) that the quarantine file and the
+manifest counts use.
+"""
+from __future__ import annotations
+
+import io
+import math
+import warnings
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+#: Reasons an input can be rejected. They are part of the output format
+#: (``quarantine.jsonl`` and ``manifest["counts"]["rejected"]``); do not rename.
+REASONS = (
+    "empty_file",  # zero bytes
+    "truncated",  # the file ends before the image data does
+    "corrupt",  # a known image format whose data cannot be decoded
+    "not_an_image",  # no image signature at all (text, HTML error pages, ...)
+    "unsupported_format",  # an image, but not one of ALLOWED_FORMATS
+    "decompression_bomb",  # more pixels than max_megapixels
+    "too_small",  # shorter side below min_short_side
+    "unknown_label",  # a label that the given label map does not list
+    "unreadable",  # the source could not be read (missing file, bad archive member)
+    "corrupt_archive",  # a tar archive that cannot be read to the end
+    "bad_manifest_row",  # a manifest row without a usable uri
+    "unexpected_error",  # the dead-letter path: any other exception, with its type and message
+)
+
+ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "DIB", "TIFF"})
+
+#: Alpha is composited on a fixed background so that the same file always
+#: gives the same pixels (and the same content hash).
+ALPHA_BACKGROUND = (255, 255, 255)
+
+DEFAULT_MAX_MEGAPIXELS = 89.0  # Pillow's own bomb threshold, made explicit and configurable
+
+_DRAFT_FORMATS = frozenset({"JPEG", "MPO"})
+
+# EXIF orientation tag (0x0112) -> the transpose that undoes it.
+_ORIENTATION = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+# Signatures of image formats we know, to tell "a broken image" from "not an image".
+_IMAGE_MAGIC = (
+    b"\xff\xd8\xff",  # JPEG
+    b"\x89PNG\r\n\x1a\n",
+    b"GIF87a",
+    b"GIF89a",
+    b"BM",
+    b"II*\x00",  # TIFF little-endian
+    b"MM\x00*",  # TIFF big-endian
+)
+_UNSUPPORTED_MAGIC = (
+    b"8BPS",  # Photoshop
+    b"\x00\x00\x01\x00",  # ICO
+    b"\xff\x0a",  # JPEG XL codestream
+    b"\x00\x00\x00\x0cJXL ",  # JPEG XL container
+    b"\x00\x00\x00\x0cjP  ",  # JPEG 2000
+)
+
+
+class BadImage(Exception):
+    """An input that cannot become a training image.
+
+    ``reason`` is one of :data:`REASONS`; ``detail`` says what was found, for a human.
+    """
+
+    def __init__(self, reason: str, detail: str):
+        if reason not in REASONS:
+            raise ValueError(f"BadImage reason {reason!r} is not one of {REASONS}")
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.detail}"
+
+    def __reduce__(self):
+        return (BadImage, (self.reason, self.detail))
+
+
+def _sniff(data: bytes) -> str:
+    """'image', 'unsupported' or 'unknown', from the first bytes alone."""
+    head = data[:32]
+    if head.startswith(_IMAGE_MAGIC) or (head[:4] == b"RIFF" and head[8:12] == b"WEBP"):
+        return "image"
+    if head.startswith(_UNSUPPORTED_MAGIC) or (head[4:8] == b"ftyp" and head[8:12] in (
+        b"heic", b"heix", b"hevc", b"mif1", b"msf1", b"avif", b"avis"
+    )):
+        return "unsupported"
+    return "unknown"
+
+
+def _load_error(exc: Exception, uri: str) -> BadImage:
+    text = str(exc)
+    if "truncat" in text.lower() or isinstance(exc, EOFError):
+        return BadImage("truncated", f"{uri}: {text}")
+    return BadImage("corrupt", f"{uri}: {type(exc).__name__}: {text}")
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La") or (mode == "P" and "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        out = Image.new("RGB", rgba.size, ALPHA_BACKGROUND)
+        out.paste(rgba, mask=rgba.getchannel("A"))
+        return out
+    if mode.startswith("I;16") or mode == "I":
+        # 16-bit sources (PNG/TIFF) keep their full range: scale 0..65535 to 0..255
+        # instead of letting convert() clip everything above 255 to white.
+        arr = np.asarray(img, dtype=np.float64)
+        arr = np.clip(np.rint(arr / 257.0), 0, 255).astype(np.uint8)
+        return Image.fromarray(arr, "L").convert("RGB")
+    if mode == "F":
+        arr = np.asarray(img, dtype=np.float64)
+        if np.nanmax(arr, initial=0.0) <= 1.0:
+            arr = arr * 255.0
+        arr = np.clip(np.nan_to_num(np.rint(arr)), 0, 255).astype(np.uint8)
+        return Image.fromarray(arr, "L").convert("RGB")
+    return img.convert("RGB")
+
+
+def _orientation(img: Image.Image) -> int:
+    try:
+        value = img.getexif().get(0x0112, 1)
+        return int(value) if int(value) in _ORIENTATION else 1
+    except Exception:  # a broken EXIF block must not cost the image; it just has no orientation
+        return 1
+
+
+def decode_image(
+    data: bytes,
+    *,
+    uri: str,
+    max_megapixels: float = DEFAULT_MAX_MEGAPIXELS,
+    draft_short_side: int | None = None,
+    draft_max_long_side: int | None = None,
+    min_short_side: int = 0,
+) -> Image.Image:
+    """Decode ``data`` to an 8-bit RGB image with the EXIF orientation applied.
+
+    Args:
+        data: the encoded file.
+        uri: where it came from; used in error details only.
+        max_megapixels: reject images with more pixels than this before decoding them.
+        draft_short_side: the caller will resize the shorter side to this; a JPEG is
+            then decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still gives
+            at least this many pixels on the shorter side, which is much faster.
+        draft_max_long_side: the caller also caps the longer side to this; lets
+            the DCT scale go further for very elongated images.
+        min_short_side: reject images whose (oriented) shorter side is below this.
+
+    Returns:
+        A loaded ``PIL.Image.Image`` in mode ``RGB``.
+
+    Raises:
+        BadImage: with ``reason`` from :data:`REASONS`.
+    """
+    if data is None:
+        raise BadImage("unreadable", f"{uri}: no bytes; the source could not be read (see SourceItem.read)")
+    if not data:
+        raise BadImage("empty_file", f"{uri}: file is empty (0 bytes)")
+    with warnings.catch_warnings():
+        # Pillow warns at 89 MP; our own max_megapixels check decides instead.
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data" and friends
+        try:
+            img = Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as exc:
+            raise BadImage("decompression_bomb", f"{uri}: {exc}") from None
+        except UnidentifiedImageError:
+            kind = _sniff(data)
+            if kind == "image":
+                raise BadImage("corrupt", f"{uri}: image signature found but the header cannot be parsed") from None
+            if kind == "unsupported":
+                raise BadImage("unsupported_format", f"{uri}: image format not supported; convert to JPEG or PNG") from None
+            raise BadImage("not_an_image", f"{uri}: not an image (starts with {data[:16]!r})") from None
+        except Exception as exc:  # Pillow's plugins raise OSError, SyntaxError, struct.error...
+            raise _load_error(exc, uri) from None
+
+        fmt = img.format or "?"
+        if fmt not in ALLOWED_FORMATS:
+            raise BadImage("unsupported_format", f"{uri}: {fmt} images are not accepted; convert to JPEG or PNG")
+        width, height = img.size
+        megapixels = width * height / 1e6
+        if megapixels > max_megapixels:
+            raise BadImage(
+                "decompression_bomb",
+                f"{uri}: {width}x{height} is {megapixels:.1f} MP, above max_megapixels={max_megapixels:g}",
+            )
+        orientation = _orientation(img)
+        short_side = min(width, height)
+        if short_side < min_short_side:
+            raise BadImage("too_small", f"{uri}: shorter side {short_side} px is below min_short_side={min_short_side}")
+
+        if draft_short_side and fmt in _DRAFT_FORMATS:
+            scale = draft_short_side / short_side
+            if draft_max_long_side:
+                scale = min(scale, draft_max_long_side / max(width, height))
+            if scale < 1.0:
+                # draft() picks the largest DCT reduction whose output is still at
+                # least the requested size, so the final resize only ever shrinks.
+                img.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
+        try:
+            img.load()
+        except Image.DecompressionBombError as exc:
+            raise BadImage("decompression_bomb", f"{uri}: {exc}") from None
+        except Exception as exc:
+            raise _load_error(exc, uri) from None
+
+        try:
+            img = _to_rgb(img)
+        except Exception as exc:
+            raise BadImage("corrupt", f"{uri}: cannot convert mode {img.mode} to RGB: {exc}") from None
+    if orientation != 1:
+        img = img.transpose(_ORIENTATION[orientation])
+    return img
+

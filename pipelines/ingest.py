@@ -1,0 +1,489 @@
+"""The ``prepare`` Beam pipeline: sources -> decode/validate -> de-duplicate -> Arrow IPC shards.
+
+Graph (every arrow is a PCollection)::
+
+    units --read--> items --process--> records ----test sets----> kept --corpus dedup--> unique --> shards
+                      |  (dead letter)    | rejected (dead letter)     | duplicates          | duplicates
+                      +---------------->  quarantine  <----------------+                     |
+                                                       duplicates.jsonl <--------------------+
+
+Counts are reconciled from the pipeline's outputs (quarantine rows, duplicate
+rows, shard row counts) against an independent count of the items read, never
+from counters alone: counters may double-count retried bundles. The job
+refuses to write a manifest when ``inputs != written + rejected + duplicates``.
+
+Output is atomic at two levels: each shard is written as
+``shard-NNNNN.arrow.tmp-<uuid>`` then renamed, and ``manifest.json`` (deleted
+when a run starts, written last) is what makes a shard set visible to
+:class:`pipelines.schema.ShardSet`. A killed run leaves no manifest and no
+half-written file under a shard name; the next run removes its leftovers.
+
+Sharding is deterministic without a global sort: the number of shards is the
+total encoded size over ``shard_mb``, a row's shard is a stable hash of its key
+(keys are already uniform hashes of the source uri), and rows are sorted by key
+inside each shard. The same inputs therefore give byte-identical shards.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from typing import Any, Iterable, Iterator, Mapping
+
+from pipelines import schema
+from pipelines.config import PrepareConfig
+from pipelines.process import ProcessOptions, process_item, reject
+from pipelines.sources import SourceError, Unit, expand, plan
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "prepare"
+# Per-row bytes beyond the image (key, hashes, labels, offsets) when sizing shards.
+_ROW_OVERHEAD = 160
+
+
+class AccountingError(RuntimeError):
+    """``inputs != written + rejected + duplicates``: an item was lost or counted twice."""
+
+
+class PrepareError(ValueError):
+    """A usage error found before the pipeline starts (missing input, bad label map, output inside an input)."""
+
+
+# -- small filesystem helpers ------------------------------------------------------------------
+
+def _fs(url: str):
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(url)
+    return fs, path.rstrip("/")
+
+
+def atomic_write(fs, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` under a temporary name, then rename: readers never see a partial file."""
+    tmp = f"{path}{schema.TMP_MARKER}{uuid.uuid4().hex}"
+    if type(fs).__name__ == "LocalFileSystem":
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    else:
+        with fs.open(tmp, "wb") as f:
+            f.write(data)
+        fs.mv(tmp, path)
+
+
+def _jsonl(rows: Iterable[Mapping[str, Any]]) -> bytes:
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+
+
+# -- label map ---------------------------------------------------------------------------------
+
+def load_label_map(path: str) -> dict[str, int]:
+    """A label map file: JSON ``{"name": id}``, a JSON list of names, or a text file of one name per line."""
+    import fsspec
+
+    try:
+        with fsspec.open(path, "rt") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise PrepareError(f"label_map: {path} not found; pass a JSON {{name: id}} file or a names list") from None
+    if path.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PrepareError(f"label_map: {path} is not valid JSON ({exc})") from None
+    else:
+        data = [line.strip() for line in text.splitlines() if line.strip()]
+    if isinstance(data, list):
+        data = {str(name): i for i, name in enumerate(data)}
+    if not isinstance(data, dict) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in data.values()):
+        raise PrepareError(f"label_map: {path} must map label names to non-negative integer ids")
+    if len(set(data.values())) != len(data):
+        raise PrepareError(f"label_map: {path} gives the same id to several names")
+    return {str(k): int(v) for k, v in data.items()}
+
+
+# -- pipeline steps (module-level so they pickle by reference) ---------------------------------
+
+def _read_unit(unit: Unit) -> Iterator[Any]:
+    from apache_beam.metrics import Metrics
+
+    counter = Metrics.counter(NAMESPACE, "inputs")
+    for item in expand(unit):
+        counter.inc()
+        yield item.materialize()
+
+
+def _unit_failed(bad) -> dict[str, Any]:
+    unit, (exc_type, exc_repr, _tb) = bad
+    return reject(unit.uris[0], "unexpected_error", f"{unit.uris[0]}: reading the source failed: {exc_repr}")
+
+
+def _item_failed(bad) -> dict[str, Any]:
+    item, (exc_type, exc_repr, tb) = bad
+    log.warning("unexpected error on %s: %s", getattr(item, "uri", item), "".join(tb[-3:]))
+    uri = getattr(item, "uri", repr(item)[:200])
+    return reject(uri, "unexpected_error", f"{uri}: {exc_repr}")
+
+
+def _count(name: str):
+    def fn(row):
+        from apache_beam.metrics import Metrics
+
+        suffix = row.get("reason") or row.get("cause") or ""
+        Metrics.counter(NAMESPACE, f"{name}.{suffix}" if suffix else name).inc()
+        return row
+
+    return fn
+
+
+def _match_test_sets(record: dict, index) -> dict:
+    matches = index.match(record["content_hash"], record["phash"])
+    if not matches:
+        return record
+    m = matches[0]  # closest first; an item is counted against one test set only
+    return {
+        "_t": "duplicate", "key": record["key"], "uri": record["uri"], "cause": m.test_set,
+        "test_set": m.test_set, "test_key": m.key, "distance": int(m.distance), "exact": bool(m.exact),
+    }
+
+
+def _pick_unique(group) -> Iterator[dict]:
+    _, records = group
+    records = sorted(records, key=lambda r: r["key"])
+    keep = records[0]
+    yield keep
+    for r in records[1:]:
+        yield {"_t": "duplicate", "key": r["key"], "uri": r["uri"], "cause": "corpus", "duplicate_of": keep["key"]}
+
+
+def _num_shards(total_bytes: int, shard_bytes: float) -> int:
+    return max(1, math.ceil(total_bytes / shard_bytes))
+
+
+def shard_of(key: str, num_shards: int) -> int:
+    return int(key[:8], 16) % num_shards
+
+
+def _write_shard(group, out_url: str, label_map: Mapping[str, int]) -> dict:
+    """Write one shard atomically; returns its manifest entry."""
+    import pyarrow as pa
+    from apache_beam.metrics import Metrics
+
+    index, records = group
+    rows = []
+    for r in sorted(records, key=lambda r: r["key"]):
+        rows.append({
+            schema.KEY: r["key"], schema.IMAGE: r["image"], schema.FORMAT: r["format"],
+            schema.HEIGHT: r["height"], schema.WIDTH: r["width"],
+            schema.LABELS: sorted({label_map[name] for name in r["labels"]}),
+            schema.SOURCE: r["uri"], schema.CONTENT_HASH: r["content_hash"], schema.PHASH: r["phash"],
+        })
+    sink = pa.BufferOutputStream()
+    schema.write_table(schema.records_to_table(rows), sink)
+    data = sink.getvalue().to_pybytes()
+    name = schema.shard_name(index)
+    fs, root = _fs(out_url)
+    atomic_write(fs, f"{root}/{name}", data)
+    Metrics.counter(NAMESPACE, "written").inc(len(rows))
+    Metrics.counter(NAMESPACE, "bytes_written").inc(len(data))
+    return {"_t": "shard", "path": name, "rows": len(rows), "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _write_outputs(rows: list[dict], url: str) -> None:
+    # Small rows only (counts, quarantine, duplicates, shard entries), so one
+    # file written through fsspec: any filesystem the shards can go to.
+    fs, path = _fs(url)
+    atomic_write(fs, path, _jsonl(rows))
+
+
+def pipeline_options(cfg: PrepareConfig):
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    flags = [f"--runner={cfg.runner}"]
+    if cfg.runner in ("DirectRunner", "direct"):
+        # One worker runs in-process: the multi-process mode costs seconds of
+        # start-up that a few hundred images do not repay.
+        mode = "in_memory" if cfg.workers == 1 else "multi_processing"
+        flags += [f"--direct_num_workers={cfg.workers}", f"--direct_running_mode={mode}"]
+    return PipelineOptions(flags + list(cfg.beam_options))
+
+
+def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[str, int] | None,
+                   index, out_url: str, staging_url: str) -> None:
+    """Add the ingest to pipeline ``p``; all small outputs go as JSON lines under ``staging_url``."""
+    import apache_beam as beam
+    from apache_beam.pvalue import AsSingleton
+
+    opts = ProcessOptions.from_config(cfg, label_map)
+    shard_bytes = cfg.shard_mb * 1e6
+
+    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit).with_exception_handling()
+    items, unit_errors = read["good"], read["bad"] | "UnitFailed" >> beam.Map(_unit_failed)
+    inputs = (
+        (items, unit_errors) | "AllInputs" >> beam.Flatten()
+        | "CountInputs" >> beam.combiners.Count.Globally()
+        | "InputsRow" >> beam.Map(lambda n: {"_t": "inputs", "n": n})
+    )
+
+    processed = items | "Process" >> beam.Map(process_item, opts).with_exception_handling(
+        use_subprocess=cfg.isolate_decoder
+    )
+    item_errors = processed["bad"] | "ItemFailed" >> beam.Map(_item_failed)
+    split = processed["good"] | "SplitProcessed" >> beam.Partition(lambda r, n: 0 if r["_t"] == "record" else 1, 2)
+    records, rejected = split[0], split[1]
+
+    dup_parts = []
+    if index is not None:
+        index_side = AsSingleton(p | "TestSetIndex" >> beam.Create([index]))
+        matched = records | "MatchTestSets" >> beam.Map(_match_test_sets, index_side)
+        split = matched | "SplitTestDups" >> beam.Partition(lambda r, n: 0 if r["_t"] == "record" else 1, 2)
+        records = split[0]
+        dup_parts.append(split[1])
+
+    deduped = (
+        records
+        | "ByContent" >> beam.Map(lambda r: (r["content_hash"], r))
+        | "GroupContent" >> beam.GroupByKey()
+        | "PickUnique" >> beam.FlatMap(_pick_unique)
+    )
+    split = deduped | "SplitCorpusDups" >> beam.Partition(lambda r, n: 0 if r["_t"] == "record" else 1, 2)
+    unique = split[0]
+    dup_parts.append(split[1])
+
+    if label_map is not None:
+        labels_pc = p | "GivenLabels" >> beam.Create([dict(label_map)])
+    else:
+        labels_pc = (
+            unique
+            | "LabelNames" >> beam.FlatMap(lambda r: r["labels"])
+            | "DistinctLabels" >> beam.Distinct()
+            | "SortLabels" >> beam.combiners.ToList()
+            | "LabelIds" >> beam.Map(lambda names: {n: i for i, n in enumerate(sorted(names))})
+        )
+    num_shards = (
+        unique
+        | "RowBytes" >> beam.Map(lambda r: len(r["image"]) + _ROW_OVERHEAD)
+        | "TotalBytes" >> beam.CombineGlobally(sum)
+        | "NumShards" >> beam.Map(_num_shards, shard_bytes)
+    )
+    shards = (
+        unique
+        | "AssignShard" >> beam.Map(lambda r, n: (shard_of(r["key"], n), r), AsSingleton(num_shards))
+        | "GroupShard" >> beam.GroupByKey()
+        | "WriteShard" >> beam.Map(_write_shard, out_url, AsSingleton(labels_pc))
+    )
+
+    all_rejected = (rejected, unit_errors, item_errors) | "AllRejected" >> beam.Flatten() | "CountRejected" >> beam.Map(_count("rejected"))
+    all_dups = tuple(dup_parts) | "AllDuplicates" >> beam.Flatten() | "CountDuplicates" >> beam.Map(_count("duplicates"))
+    label_rows = labels_pc | "LabelsRow" >> beam.Map(lambda m: {"_t": "label_map", "map": m})
+    (
+        (inputs, all_rejected, all_dups, shards, label_rows)
+        | "AllOutputs" >> beam.Flatten()
+        | "CollectOutputs" >> beam.combiners.ToList()
+        | "WriteOutputs" >> beam.Map(_write_outputs, f"{staging_url}/outputs.jsonl")
+    )
+
+
+# -- the driver -------------------------------------------------------------------------------
+
+def _clean_leftovers(fs, root: str) -> None:
+    """Remove what a killed run may have left: temporary shard files and staging folders."""
+    for path in fs.ls(root, detail=False):
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if schema.TMP_MARKER in name:
+            fs.rm(path)
+        elif name.startswith(".staging-"):
+            fs.rm(path, recursive=True)
+
+
+def _read_staging(fs, staging: str) -> list[dict]:
+    rows = []
+    for path in sorted(fs.glob(f"{staging}/outputs*")):
+        with fs.open(path, "rt") as f:
+            rows.extend(json.loads(line) for line in f if line.strip())
+    return rows
+
+
+def _same_location(a: str, b: str) -> bool:
+    fa, pa_ = _fs(a)
+    fb, pb = _fs(b)
+    return fa.unstrip_protocol(pa_) == fb.unstrip_protocol(pb)
+
+
+def _inside(child: str, parent: str) -> bool:
+    fc, pc = _fs(child)
+    fp, pp = _fs(parent)
+    c, p = fc.unstrip_protocol(pc), fp.unstrip_protocol(pp)
+    return c == p or c.startswith(p.rstrip("/") + "/")
+
+
+def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
+    for src in cfg.input:
+        if _inside(cfg.output, src):
+            raise PrepareError(
+                f"output {cfg.output} is inside input {src}; write the shard set to a separate directory"
+            )
+    units: list[Unit] = []
+    for src in cfg.input:
+        try:
+            units.extend(plan(src))
+        except SourceError as exc:
+            raise PrepareError(f"input: {exc}") from None
+    return units
+
+
+def run_prepare(cfg: PrepareConfig) -> dict:
+    """Run the ingest described by ``cfg`` and return the manifest (also written to ``cfg.output``).
+
+    Raises:
+        PrepareError: a missing input, bad label map or unusable output, before anything is written.
+        AccountingError: the counts do not reconcile; no manifest is written.
+    """
+    import apache_beam as beam
+
+    from vitscale import config as vconfig
+    from vitscale import tracking
+
+    units = plan_inputs(cfg)
+    label_map = load_label_map(cfg.label_map) if cfg.label_map else None
+    test_sets = cfg.test_sets()
+    for name, src in test_sets.items():
+        try:
+            plan(src)
+        except SourceError as exc:
+            raise PrepareError(f"test_set {name}: {exc}") from None
+
+    fs, root = _fs(cfg.output)
+    try:
+        fs.makedirs(root, exist_ok=True)
+    except OSError as exc:
+        raise PrepareError(f"output: cannot create {cfg.output} ({exc}); pass a writable directory") from None
+    out_url = fs.unstrip_protocol(root)
+    # A previous manifest is withdrawn first: until this run writes its own,
+    # readers must not pair old metadata with shards this run rewrites.
+    if fs.exists(f"{root}/{schema.MANIFEST}"):
+        fs.rm(f"{root}/{schema.MANIFEST}")
+    _clean_leftovers(fs, root)
+
+    params = vconfig.to_dict(cfg)
+    with tracking.start_run("prepare", params=params) as run:
+        index = None
+        if test_sets:
+            from dedup.index import build_test_set_index
+
+            t_index = time.perf_counter()
+            index = build_test_set_index(test_sets)
+            tracking.log_metrics({"test_set_index_s": time.perf_counter() - t_index, "test_set_images": len(index)})
+
+        staging = f"{root}/.staging-{uuid.uuid4().hex}"
+        fs.makedirs(staging, exist_ok=True)
+        t0 = time.perf_counter()
+        with beam.Pipeline(options=pipeline_options(cfg)) as p:
+            build_pipeline(p, units, cfg, label_map, index, out_url, fs.unstrip_protocol(staging))
+        wall = time.perf_counter() - t0
+        beam_counters = _beam_counters(p)
+
+        outputs = _read_staging(fs, staging)
+        manifest, quarantine, duplicates = _summarise(outputs, cfg, label_map, test_sets)
+        manifest["mlflow_run_id"] = run.info.run_id
+        manifest["config"] = params
+
+        atomic_write(fs, f"{root}/{schema.QUARANTINE}", _jsonl(quarantine))
+        atomic_write(fs, f"{root}/{schema.DUPLICATES}", _jsonl(duplicates))
+        keep = {s["path"] for s in manifest["shards"]}
+        for path in fs.glob(f"{root}/shard-*.arrow"):
+            if path.rsplit("/", 1)[-1] not in keep:
+                fs.rm(path)  # a shard of an earlier run with more shards
+        fs.rm(staging, recursive=True)
+        atomic_write(fs, f"{root}/{schema.MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
+
+        counts = manifest["counts"]
+        metrics = {
+            "inputs": counts["inputs"], "written": counts["written"],
+            "rejected": counts["rejected_total"], "duplicates": counts["duplicates_total"],
+            "shards": len(manifest["shards"]), "output_mb": sum(s["bytes"] for s in manifest["shards"]) / 1e6,
+            "wall_s": wall, "images_per_s": counts["inputs"] / wall if wall > 0 else 0.0,
+            "images_per_s_per_worker": counts["inputs"] / wall / cfg.workers if wall > 0 else 0.0,
+        }
+        metrics.update({f"rejected.{k}": v for k, v in counts["rejected"].items()})
+        metrics.update({f"duplicates.{k}": v for k, v in counts["duplicates"].items()})
+        metrics.update({f"beam.{k}": v for k, v in beam_counters.items()})
+        tracking.log_metrics(metrics)
+        if type(fs).__name__ == "LocalFileSystem":
+            for name in (schema.MANIFEST, schema.QUARANTINE, schema.DUPLICATES):
+                tracking.log_artifact(f"{root}/{name}")
+        else:
+            tracking.log_dict(manifest, schema.MANIFEST)
+            tracking.log_text(_jsonl(quarantine).decode(), schema.QUARANTINE)
+            tracking.log_text(_jsonl(duplicates).decode(), schema.DUPLICATES)
+    return manifest
+
+
+def _beam_counters(p) -> dict[str, float]:
+    try:
+        from apache_beam.metrics.metric import MetricsFilter
+
+        result = p.result.metrics().query(MetricsFilter().with_namespace(NAMESPACE))
+        out: dict[str, float] = {}
+        for c in result["counters"]:
+            out[c.key.metric.name] = out.get(c.key.metric.name, 0) + (c.committed or c.attempted or 0)
+        return out
+    except Exception as exc:  # some runners do not report metrics; the counts come from outputs anyway
+        log.warning("Beam metrics unavailable: %s", exc)
+        return {}
+
+
+def _summarise(outputs: list[dict], cfg: PrepareConfig, label_map, test_sets) -> tuple[dict, list, list]:
+    inputs = sum(r["n"] for r in outputs if r["_t"] == "inputs")
+    shards = sorted(
+        ({k: r[k] for k in ("path", "rows", "bytes", "sha256")} for r in outputs if r["_t"] == "shard"),
+        key=lambda s: s["path"],
+    )
+    quarantine = sorted(
+        ({k: r[k] for k in ("uri", "reason", "detail", "key")} for r in outputs if r["_t"] == "rejected"),
+        key=lambda r: (r["uri"], r["reason"], r["detail"]),
+    )
+    duplicates = sorted(
+        ({k: v for k, v in r.items() if k != "_t"} for r in outputs if r["_t"] == "duplicate"),
+        key=lambda r: (r["key"], r["uri"], r["cause"]),
+    )
+    maps = [r["map"] for r in outputs if r["_t"] == "label_map"]
+    final_map = label_map if label_map is not None else (maps[0] if maps else {})
+
+    rejected: dict[str, int] = {}
+    for r in quarantine:
+        rejected[r["reason"]] = rejected.get(r["reason"], 0) + 1
+    dup_counts = {"corpus": 0, **{name: 0 for name in test_sets}}
+    for r in duplicates:
+        dup_counts[r["cause"]] = dup_counts.get(r["cause"], 0) + 1
+    written = sum(s["rows"] for s in shards)
+    counts = {
+        "inputs": inputs, "written": written,
+        "rejected": dict(sorted(rejected.items())), "rejected_total": sum(rejected.values()),
+        "duplicates": dup_counts, "duplicates_total": sum(dup_counts.values()),
+    }
+    if inputs != written + counts["rejected_total"] + counts["duplicates_total"]:
+        raise AccountingError(
+            f"{cfg.output}: inputs ({inputs}) != written ({written}) + rejected ({counts['rejected_total']}) "
+            f"+ duplicates ({counts['duplicates_total']}); items were lost or double-counted, no manifest written. "
+            "This is a bug in the ingest; please report it with the staging outputs"
+        )
+    manifest = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "format": "arrow-ipc-file",
+        "columns": list(schema.COLUMNS),
+        "shards": shards,
+        "num_rows": written,
+        "label_map": dict(sorted(final_map.items(), key=lambda kv: kv[1])),
+        "counts": counts,
+        "sources": list(cfg.input),
+    }
+    return manifest, quarantine, duplicates

@@ -1,0 +1,341 @@
+"""The shard format: the one definition that the Beam writer and the training readers share.
+
+A shard set is a directory::
+
+    DIR/manifest.json        written last, atomically: its presence means the run completed
+    DIR/shard-00000.arrow    Arrow IPC *file* format (random access), rows sorted by ``key``
+    DIR/shard-00001.arrow    ...
+    DIR/quarantine.jsonl     one row per rejected input: uri, reason, detail
+    DIR/duplicates.jsonl     one row per dropped duplicate (corpus or test set)
+    DIR/removed.jsonl        optional: keys to skip when reading (written by the dedup job)
+
+Columns (:data:`SCHEMA`, version :data:`SCHEMA_VERSION`):
+
+``key``           string   stable id of the item, derived from its source uri (:func:`make_key`)
+``image``         binary   the pixels: JPEG bytes, or raw uint8 HxWx3 when ``format == "raw"``
+``format``        string   ``"jpeg"`` or ``"raw"``
+``height``        int32    pixel height of ``image``
+``width``         int32    pixel width of ``image``
+``labels``        list<int32>  class ids through ``manifest["label_map"]``; several for multi-label corpora
+``source``        string   the uri the item was read from (tar members: ``tar://member::archive-url``)
+``content_hash``  string   SHA-256 of the decoded pixels, ``dedup.signatures.content_hash`` (large
+                           JPEGs are hashed as decoded at the DCT-draft scale for ``--size``)
+``phash``         binary   perceptual signature, ``dedup.signatures.compute`` of the decoded image
+
+``manifest.json`` holds ``schema_version``, ``shards`` (``path`` relative to DIR,
+``rows``, ``bytes``, ``sha256``; sorted by path), ``num_rows``, ``label_map``
+(name -> id), ``counts`` (``inputs``, ``written``, ``rejected`` per reason,
+``duplicates`` per cause: ``corpus`` and one entry per test set) with
+``inputs == written + sum(rejected) + sum(duplicates)``, the ``config`` and the
+``mlflow_run_id``.
+
+``removed.jsonl``: one JSON object per line with at least ``"key"`` (a bare
+JSON string is accepted too). :class:`ShardSet` skips those rows in
+``len()``, indexing and :meth:`ShardSet.iter_batches`, so a later dedup pass
+can drop items without rewriting shards. ``open_shard`` still returns the
+whole shard file, as written and checksummed.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import io
+import json
+import os
+from typing import Any, Iterator, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+SCHEMA_VERSION = 1
+
+KEY = "key"
+IMAGE = "image"
+FORMAT = "format"
+HEIGHT = "height"
+WIDTH = "width"
+LABELS = "labels"
+SOURCE = "source"
+CONTENT_HASH = "content_hash"
+PHASH = "phash"
+COLUMNS = (KEY, IMAGE, FORMAT, HEIGHT, WIDTH, LABELS, SOURCE, CONTENT_HASH, PHASH)
+
+FORMATS = ("jpeg", "raw")
+
+SCHEMA = pa.schema(
+    [
+        pa.field(KEY, pa.string(), nullable=False),
+        pa.field(IMAGE, pa.binary(), nullable=False),
+        pa.field(FORMAT, pa.string(), nullable=False),
+        pa.field(HEIGHT, pa.int32(), nullable=False),
+        pa.field(WIDTH, pa.int32(), nullable=False),
+        pa.field(LABELS, pa.list_(pa.int32()), nullable=False),
+        pa.field(SOURCE, pa.string(), nullable=False),
+        pa.field(CONTENT_HASH, pa.string(), nullable=False),
+        pa.field(PHASH, pa.binary(), nullable=False),
+    ],
+    metadata={"vitscale.schema_version": str(SCHEMA_VERSION)},
+)
+
+MANIFEST = "manifest.json"
+QUARANTINE = "quarantine.jsonl"
+DUPLICATES = "duplicates.jsonl"
+REMOVED = "removed.jsonl"
+SHARD_PATTERN = "shard-{index:05d}.arrow"
+TMP_MARKER = ".tmp-"  # partial files are written as <final name>.tmp-<uuid>, then renamed
+
+# Rows per record batch inside a shard: small enough that streaming a shard
+# does not pull it all into memory, large enough to keep per-batch overhead low.
+BATCH_ROWS = 1024
+
+
+class ShardSetError(ValueError):
+    """A shard set that cannot be read as it is; the message names the file and the fix."""
+
+
+def make_key(uri: str) -> str:
+    """Stable 20-hex-digit id of an item from its source uri: same input, same key, every run."""
+    return hashlib.blake2b(uri.encode("utf-8"), digest_size=10).hexdigest()
+
+
+def shard_name(index: int) -> str:
+    return SHARD_PATTERN.format(index=index)
+
+
+def file_sha256(path: str | os.PathLike, fs=None) -> str:
+    h = hashlib.sha256()
+    opener = fs.open if fs is not None else open
+    with opener(str(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def records_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
+    """Rows (dicts with every column) to a table in :data:`SCHEMA`, in the given order."""
+    arrays = [pa.array([r[name] for r in rows], type=SCHEMA.field(name).type) for name in COLUMNS]
+    return pa.Table.from_arrays(arrays, schema=SCHEMA)
+
+
+def write_table(table: pa.Table, sink) -> None:
+    """Write ``table`` as an Arrow IPC file in batches of :data:`BATCH_ROWS` rows."""
+    with ipc.new_file(sink, SCHEMA) as writer:
+        for batch in table.to_batches(max_chunksize=BATCH_ROWS):
+            writer.write_batch(batch)
+
+
+def read_removed(directory: str | os.PathLike, fs=None) -> frozenset[str]:
+    """Keys listed in ``DIR/removed.jsonl`` (empty if the file is absent)."""
+    fs, root = _fs(directory, fs)
+    path = f"{root}/{REMOVED}"
+    if not fs.exists(path):
+        return frozenset()
+    keys = set()
+    with fs.open(path, "rt") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ShardSetError(f"{path}:{lineno}: not valid JSON ({exc}); fix or delete the line") from None
+            key = obj.get(KEY) if isinstance(obj, dict) else obj
+            if not isinstance(key, str):
+                raise ShardSetError(f'{path}:{lineno}: expected {{"key": "..."}} or a JSON string, got {line[:80]!r}')
+            keys.add(key)
+    return frozenset(keys)
+
+
+def _fs(directory: str | os.PathLike, fs=None):
+    if fs is not None:
+        return fs, str(directory).rstrip("/")
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(directory))
+    return fs, root.rstrip("/")
+
+
+class ShardSet:
+    """Read a shard set written by ``prepare``: memory-mapped random access and streaming.
+
+    Args:
+        directory: the shard set directory (local path or fsspec URL). Local shards
+            are memory-mapped; remote ones are read into memory when opened.
+        honour_removed: skip the keys listed in ``removed.jsonl`` (default True).
+
+    ``len(ss)``/``ss.num_rows`` counts the rows that survive ``removed.jsonl``,
+    ``ss[i]`` returns the i-th of them as a dict, and :meth:`iter_batches`
+    streams them shard by shard. Tables are opened lazily and the object pickles
+    without them, so it can be handed to data-loader workers.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, honour_removed: bool = True):
+        self.directory = str(directory)
+        self._fs, self._root = _fs(directory)
+        self._local = type(self._fs).__name__ == "LocalFileSystem"
+        path = f"{self._root}/{MANIFEST}"
+        if not self._fs.exists(path):
+            raise ShardSetError(
+                f"{self.directory}: no {MANIFEST}; this is not a shard set or the prepare run did not "
+                "complete; run jobs/prepare.py --output to this directory"
+            )
+        with self._fs.open(path, "rt") as f:
+            try:
+                self.manifest: dict = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ShardSetError(f"{path}: not valid JSON ({exc}); re-run prepare") from None
+        version = self.manifest.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise ShardSetError(
+                f"{path}: schema_version {version!r}, this reader understands {SCHEMA_VERSION}; "
+                "re-run prepare with this version of vitscale"
+            )
+        self.label_map: dict[str, int] = dict(self.manifest.get("label_map", {}))
+        self.shards: list[dict] = list(self.manifest["shards"])
+        self.removed_keys: frozenset[str] = read_removed(self.directory, self._fs) if honour_removed else frozenset()
+        self._tables: dict[int, pa.Table] = {}
+        self._retained: list[np.ndarray | None] = [None] * len(self.shards)
+        if self.removed_keys:
+            for i in range(len(self.shards)):
+                keys = self.open_shard(i).column(KEY).to_pylist()
+                removed = self.removed_keys
+                self._retained[i] = np.fromiter(
+                    (j for j, k in enumerate(keys) if k not in removed), dtype=np.int64
+                )
+        counts = [
+            int(s["rows"]) if r is None else len(r) for s, r in zip(self.shards, self._retained)
+        ]
+        self._offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+
+    # -- metadata ---------------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return int(self._offsets[-1])
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @property
+    def label_names(self) -> list[str]:
+        """Label names indexed by id."""
+        names = [""] * (max(self.label_map.values(), default=-1) + 1)
+        for name, idx in self.label_map.items():
+            names[idx] = name
+        return names
+
+    def shard_path(self, i: int) -> str:
+        return f"{self._root}/{self.shards[i]['path']}"
+
+    # -- access -----------------------------------------------------------------------------
+    def open_shard(self, i: int) -> pa.Table:
+        """Shard ``i`` as a whole ``pa.Table`` (memory-mapped for local files; no removal applied)."""
+        table = self._tables.get(i)
+        if table is None:
+            path = self.shard_path(i)
+            try:
+                if self._local:
+                    source = pa.memory_map(path, "r")
+                else:
+                    with self._fs.open(path, "rb") as f:
+                        source = pa.BufferReader(f.read())
+                table = ipc.open_file(source).read_all()
+            except FileNotFoundError:
+                raise ShardSetError(f"{self.shards[i]['path']}: listed in the manifest but missing; re-run prepare") from None
+            except pa.ArrowInvalid as exc:
+                raise ShardSetError(f"{self.shards[i]['path']}: not a readable Arrow IPC file ({exc}); re-run prepare") from None
+            self._tables[i] = table
+        return table
+
+    def retained_rows(self, i: int) -> np.ndarray:
+        """Row indices of shard ``i`` that survive ``removed.jsonl``."""
+        r = self._retained[i]
+        return np.arange(int(self.shards[i]["rows"])) if r is None else r
+
+    def iter_batches(
+        self,
+        shard_indices: Sequence[int] | None = None,
+        *,
+        columns: Sequence[str] | None = None,
+    ) -> Iterator[pa.RecordBatch]:
+        """Stream record batches shard by shard, in manifest order, skipping removed keys."""
+        for i in range(len(self.shards)) if shard_indices is None else shard_indices:
+            table = self.open_shard(i)
+            if columns is not None:
+                table = table.select(list(columns))
+            retained = self._retained[i]
+            if retained is not None:
+                table = table.take(pa.array(retained))
+            yield from table.to_batches(max_chunksize=BATCH_ROWS)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        if index < 0:
+            index += self.num_rows
+        if not 0 <= index < self.num_rows:
+            raise IndexError(f"row {index} out of range for a shard set of {self.num_rows} rows")
+        shard = bisect.bisect_right(self._offsets, index) - 1
+        local = index - self._offsets[shard]
+        retained = self._retained[shard]
+        if retained is not None:
+            local = int(retained[local])
+        return self.open_shard(shard).slice(local, 1).to_pylist()[0]
+
+    def verify(self) -> None:
+        """Check every shard's size, sha256 and row count against the manifest; raise on the first mismatch."""
+        for i, entry in enumerate(self.shards):
+            path = self.shard_path(i)
+            name = entry["path"]
+            if not self._fs.exists(path):
+                raise ShardSetError(f"{name}: listed in the manifest but missing; re-run prepare")
+            actual = file_sha256(path, self._fs)
+            if actual != entry["sha256"]:
+                raise ShardSetError(
+                    f"{name}: sha256 mismatch (manifest says {entry['sha256'][:12]}…, file has {actual[:12]}…); "
+                    "re-run prepare"
+                )
+            rows = self.open_shard(i).num_rows
+            if rows != int(entry["rows"]):
+                raise ShardSetError(f"{name}: {rows} rows, manifest says {entry['rows']}; re-run prepare")
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_tables"] = {}
+        return state
+
+
+def decode_row_image(
+    row_or_bytes: Mapping[str, Any] | bytes,
+    format: str | None = None,
+    height: int | None = None,
+    width: int | None = None,
+) -> np.ndarray:
+    """The pixels of one shard row as a writable ``uint8`` array of shape (H, W, 3).
+
+    Pass a row dict (from ``ShardSet[i]`` or ``to_pylist()``), or the ``image``
+    bytes together with ``format`` and, for raw storage, ``height`` and ``width``.
+    """
+    if isinstance(row_or_bytes, Mapping):
+        data = row_or_bytes[IMAGE]
+        format = format or row_or_bytes[FORMAT]
+        height = height or row_or_bytes[HEIGHT]
+        width = width or row_or_bytes[WIDTH]
+    else:
+        data = row_or_bytes
+    if format == "raw":
+        if not height or not width:
+            raise ValueError("decode_row_image: raw images need height and width (pass the row, or both sizes)")
+        expected = int(height) * int(width) * 3
+        if len(data) != expected:
+            raise ValueError(f"decode_row_image: raw image has {len(data)} bytes, {height}x{width}x3 needs {expected}")
+        return np.frombuffer(data, dtype=np.uint8).reshape(int(height), int(width), 3).copy()
+    if format == "jpeg":
+        from PIL import Image
+
+        with Image.open(io.BytesIO(data)) as img:
+            img = img.convert("RGB") if img.mode != "RGB" else img
+            arr = np.asarray(img)
+        if (height and arr.shape[0] != height) or (width and arr.shape[1] != width):
+            raise ValueError(f"decode_row_image: JPEG is {arr.shape[0]}x{arr.shape[1]}, row says {height}x{width}")
+        return arr if arr.flags.writeable else arr.copy()
+    raise ValueError(f"decode_row_image: unknown format {format!r}; expected one of {FORMATS}")

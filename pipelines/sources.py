@@ -1,0 +1,339 @@
+"""Enumerate the items of a corpus from any fsspec URL, with or without Beam.
+
+A *source* is one of:
+
+* an **image folder tree**: every file under the root is an item and its class
+  is the name of the first-level sub-folder (``train/n01440764/x.JPEG`` ->
+  ``n01440764``, the ImageNet layout; files directly under the root have no
+  label). Hidden files and folders (``.DS_Store``, ``._x.jpg``) are skipped.
+  Any other file is an item, so a stray ``README.txt`` is quarantined as
+  ``not_an_image`` rather than silently ignored.
+* **tar archives** (``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``), given
+  directly or found in a folder tree. A member's class is the name of the
+  folder it sits in inside the archive, else the archive's folder-tree class,
+  else the archive's stem: ImageNet-21k ships one ``n01440764.tar`` per class.
+* a **manifest** (``.csv``, ``.jsonl``/``.ndjson``, ``.parquet``) with a ``uri``
+  column and a ``label`` (one) or ``labels`` (several: a list, a JSON list
+  string, or names joined by ``|``) column, JFT-style. Relative uris are
+  resolved against the manifest's folder.
+* an existing **shard set** (a folder with ``manifest.json``), to re-shard or
+  re-size it; ``removed.jsonl`` is honoured.
+
+Each :class:`SourceItem` has the item's ``uri`` (a URL fsspec can open; tar
+members are ``tar://member::archive-url``), its label names and its bytes,
+read lazily by :meth:`SourceItem.read`. Reading failures are not exceptions of
+the enumeration: they surface as :class:`~pipelines.decode.BadImage` from
+``read()`` so that one bad file never stops a walk over a million.
+
+The work is split into :class:`Unit` s (a chunk of files, one archive, one
+shard) so the Beam pipeline can read units in parallel; :func:`iter_items`
+simply expands them in order.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import posixpath
+import tarfile
+from typing import Callable, Iterator
+
+from pipelines.decode import BadImage
+
+TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet")
+FILES_PER_UNIT = 16
+
+
+class SourceError(ValueError):
+    """A source that cannot be enumerated at all (missing path, unreadable manifest)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceItem:
+    """One input item. ``read()`` returns its bytes or raises ``BadImage``."""
+
+    uri: str
+    labels: tuple[str, ...] = ()
+    data: bytes | None = None
+    reader: Callable[[], bytes] | None = dataclasses.field(default=None, compare=False, repr=False)
+    error: tuple[str, str] | None = None  # (reason, detail) when the item could not be read
+
+    @property
+    def key(self) -> str:
+        """The shard ``key`` this item gets (:func:`pipelines.schema.make_key` of its uri)."""
+        from pipelines.schema import make_key
+
+        return make_key(self.uri)
+
+    def read(self) -> bytes:
+        if self.error is not None:
+            raise BadImage(*self.error)
+        if self.data is not None:
+            return self.data
+        if self.reader is None:
+            raise BadImage("unreadable", f"{self.uri}: item has neither bytes nor a reader")
+        return self.reader()
+
+    def materialize(self) -> "SourceItem":
+        """The same item with its bytes (or its read error) loaded, and no reader: picklable."""
+        if self.reader is None:
+            return self
+        try:
+            return dataclasses.replace(self, data=self.reader(), reader=None)
+        except BadImage as exc:
+            return dataclasses.replace(self, reader=None, error=(exc.reason, exc.detail))
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """A picklable piece of a source that one worker expands into items."""
+
+    kind: str  # "files", "tar", "shard" or "error"
+    uris: tuple[str, ...]
+    labels: tuple[tuple[str, ...], ...] = ()  # per uri for "files"; (default,) for "tar"
+    index: int = 0  # shard index for "shard"
+    error: tuple[str, str] | None = None
+
+
+def _has_suffix(path: str, suffixes: tuple[str, ...]) -> bool:
+    return path.lower().endswith(suffixes)
+
+
+def _url_to_fs(url: str):
+    import fsspec
+
+    return fsspec.core.url_to_fs(url)
+
+
+def _is_hidden(rel: str) -> bool:
+    return any(part.startswith(".") for part in rel.split("/"))
+
+
+def _read_url(url: str) -> bytes:
+    try:
+        import fsspec
+
+        with fsspec.open(url, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise BadImage("unreadable", f"{url}: file not found") from None
+    except IsADirectoryError:
+        raise BadImage("unreadable", f"{url}: is a directory, not a file") from None
+    except Exception as exc:
+        raise BadImage("unreadable", f"{url}: cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def _tar_stem(path: str) -> str:
+    name = posixpath.basename(path)
+    for suffix in TAR_SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def plan(source: str, *, files_per_unit: int = FILES_PER_UNIT) -> list[Unit]:
+    """Split ``source`` into units; raises :class:`SourceError` if it does not exist or is unreadable."""
+    fs, path = _url_to_fs(source)
+    path = path.rstrip("/") or "/"
+    if not fs.exists(path):
+        raise SourceError(f"{source}: input not found; pass an existing folder, archive, manifest or shard set")
+    if fs.isdir(path):
+        if fs.exists(f"{path}/manifest.json"):
+            return _plan_shard_set(source, fs, path)
+        return _plan_tree(fs, path, files_per_unit)
+    url = fs.unstrip_protocol(path)
+    if _has_suffix(path, TAR_SUFFIXES):
+        return [Unit("tar", (url,), ((_tar_stem(path),),))]
+    if _has_suffix(path, MANIFEST_SUFFIXES):
+        return _plan_manifest(fs, path, files_per_unit)
+    return [Unit("files", (url,), ((),))]
+
+
+def _plan_tree(fs, root: str, files_per_unit: int) -> list[Unit]:
+    units: list[Unit] = []
+    batch: list[tuple[str, tuple[str, ...]]] = []
+    for path in sorted(fs.find(root, withdirs=False)):
+        rel = path[len(root):].lstrip("/")
+        if not rel or _is_hidden(rel):
+            continue
+        parts = rel.split("/")
+        labels = (parts[0],) if len(parts) > 1 else ()
+        url = fs.unstrip_protocol(path)
+        if _has_suffix(path, TAR_SUFFIXES):
+            units.append(Unit("tar", (url,), (labels or (_tar_stem(path),),)))
+            continue
+        batch.append((url, labels))
+        if len(batch) == files_per_unit:
+            units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
+            batch = []
+    if batch:
+        units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
+    return units
+
+
+def _plan_shard_set(source: str, fs, root: str) -> list[Unit]:
+    from pipelines.schema import ShardSet, ShardSetError
+
+    url = fs.unstrip_protocol(root)
+    try:
+        shard_set = ShardSet(url)
+    except ShardSetError as exc:
+        raise SourceError(f"{source}: a shard set that cannot be read: {exc}") from None
+    return [Unit("shard", (url,), index=i) for i in range(len(shard_set.shards))]
+
+
+def _parse_labels(value, *, multi: bool) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, float) and value != value:  # NaN from pandas-written files
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(str(v) for v in value if v is not None and str(v) != "")
+    if hasattr(value, "tolist"):
+        return _parse_labels(value.tolist(), multi=multi)
+    text = str(value).strip()
+    if not text:
+        return ()
+    if multi:
+        if text.startswith("["):
+            try:
+                return _parse_labels(json.loads(text), multi=True)
+            except json.JSONDecodeError:
+                pass
+        return tuple(part.strip() for part in text.split("|") if part.strip())
+    return (text,)
+
+
+def _manifest_rows(fs, path: str) -> Iterator[dict]:
+    lower = path.lower()
+    try:
+        if lower.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            with fs.open(path, "rb") as f:
+                yield from pq.read_table(f).to_pylist()
+        elif lower.endswith(".csv"):
+            with fs.open(path, "rt", newline="") as f:
+                yield from csv.DictReader(f)
+        else:
+            with fs.open(path, "rt") as f:
+                for lineno, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError:
+                        row = {"__error__": f"line {lineno} is not valid JSON"}
+                    yield row if isinstance(row, dict) else {"__error__": f"line {lineno} is not a JSON object"}
+    except Exception as exc:
+        raise SourceError(f"{fs.unstrip_protocol(path)}: cannot read manifest ({type(exc).__name__}: {exc})") from None
+
+
+def _plan_manifest(fs, path: str, files_per_unit: int) -> list[Unit]:
+    base = posixpath.dirname(path)
+    manifest_url = fs.unstrip_protocol(path)
+    units: list[Unit] = []
+    batch: list[tuple[str, tuple[str, ...]]] = []
+    columns_checked = False
+    for n, row in enumerate(_manifest_rows(fs, path)):
+        if not columns_checked and "__error__" not in row:
+            if "uri" not in row:
+                raise SourceError(
+                    f"{manifest_url}: manifest has no 'uri' column (columns: {', '.join(map(str, row))}); "
+                    "name the image column 'uri' and the label column 'label' or 'labels'"
+                )
+            columns_checked = True
+        uri = row.get("uri")
+        if "__error__" in row or not isinstance(uri, str) or not uri.strip():
+            why = row.get("__error__") or f"row {n} has no uri"
+            if batch:  # keep manifest order
+                units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
+                batch = []
+            units.append(Unit("error", (f"{manifest_url}#row={n}",), error=("bad_manifest_row", f"{manifest_url}: {why}")))
+            continue
+        uri = uri.strip()
+        if "://" not in uri and "::" not in uri:
+            uri = fs.unstrip_protocol(uri if uri.startswith("/") else posixpath.normpath(posixpath.join(base, uri)))
+        if "labels" in row:
+            labels = _parse_labels(row["labels"], multi=True)
+        else:
+            labels = _parse_labels(row.get("label"), multi=False)
+        batch.append((uri, labels))
+        if len(batch) == files_per_unit:
+            units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
+            batch = []
+    if batch:
+        units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
+    return units
+
+
+def expand(unit: Unit) -> Iterator[SourceItem]:
+    """The items of one unit. Items of ``files`` units read lazily; archive members are read as the archive streams."""
+    if unit.kind == "error":
+        yield SourceItem(unit.uris[0], error=unit.error)
+    elif unit.kind == "files":
+        for uri, labels in zip(unit.uris, unit.labels):
+            yield SourceItem(uri, labels, reader=lambda uri=uri: _read_url(uri))
+    elif unit.kind == "tar":
+        yield from _expand_tar(unit.uris[0], unit.labels[0])
+    elif unit.kind == "shard":
+        yield from _expand_shard(unit.uris[0], unit.index)
+    else:
+        raise ValueError(f"unknown unit kind {unit.kind!r}")
+
+
+def _expand_tar(url: str, default_labels: tuple[str, ...]) -> Iterator[SourceItem]:
+    members = 0
+    try:
+        import fsspec
+
+        with fsspec.open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as archive:
+            for member in archive:
+                if not member.isfile():
+                    continue
+                name = member.name[2:] if member.name.startswith("./") else member.name
+                if _is_hidden(name):
+                    continue
+                folder = posixpath.dirname(name)
+                labels = (posixpath.basename(folder),) if folder else default_labels
+                f = archive.extractfile(member)
+                data = f.read() if f is not None else b""
+                members += 1
+                yield SourceItem(f"tar://{name}::{url}", labels, data=data)
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        where = f"after {members} member(s)" if members else "before the first member"
+        yield SourceItem(url, default_labels, error=(
+            "corrupt_archive", f"{url}: archive unreadable {where} ({type(exc).__name__}: {exc}); the rest of it is skipped"
+        ))
+
+
+def _expand_shard(url: str, index: int) -> Iterator[SourceItem]:
+    from pipelines.schema import ShardSet
+
+    shard_set = ShardSet(url)
+    names = shard_set.label_names
+    for batch in shard_set.iter_batches([index]):
+        for row in batch.to_pylist():
+            data = row["image"]
+            if row["format"] == "raw":
+                from PIL import Image
+
+                buf = io.BytesIO()
+                # BMP: lossless and nearly free to encode, so raw rows round-trip exactly.
+                Image.frombytes("RGB", (row["width"], row["height"]), data).save(buf, "BMP")
+                data = buf.getvalue()
+            yield SourceItem(row["source"], tuple(names[i] for i in row["labels"]), data=data)
+
+
+def iter_items(source: str) -> Iterator[SourceItem]:
+    """Every item of ``source`` in a deterministic order (see the module docstring for source kinds).
+
+    Items come with their bytes loaded (``item.data``); an item that could not be
+    read has ``data=None`` and ``error=(reason, detail)``, and ``item.read()``
+    raises the matching :class:`~pipelines.decode.BadImage`.
+    """
+    for unit in plan(source):
+        for item in expand(unit):
+            yield item.materialize()

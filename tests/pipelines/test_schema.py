@@ -1,0 +1,121 @@
+"""pipelines.schema: the reader's checks and the training decode helper."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+
+from pipelines.schema import SCHEMA, SCHEMA_VERSION, ShardSet, ShardSetError, decode_row_image
+
+
+@pytest.fixture(scope="module")
+def shard_set(tmp_path_factory, photos, prepare):
+    src = tmp_path_factory.mktemp("src")
+    for n in ("astronaut", "chelsea", "coffee", "rocket"):
+        (src / n[:2]).mkdir()
+        photos[n].save(src / n[:2] / f"{n}.png")
+    out = tmp_path_factory.mktemp("out")
+    prepare(input=[str(src)], output=str(out), size=48, shard_mb=0.004)
+    return out
+
+
+def test_schema_carries_its_version():
+    assert SCHEMA.metadata[b"vitscale.schema_version"] == str(SCHEMA_VERSION).encode()
+
+
+def test_random_access_matches_streaming(shard_set):
+    ss = ShardSet(shard_set)
+    streamed = [row for batch in ss.iter_batches() for row in batch.to_pylist()]
+    assert len(ss.shards) > 1 and len(streamed) == len(ss) == ss.manifest["num_rows"]
+    assert [ss[i] for i in range(len(ss))] == streamed
+    assert ss[-1] == streamed[-1]
+    with pytest.raises(IndexError):
+        ss[len(ss)]
+
+
+def test_open_shard_is_memory_mapped(shard_set):
+    import pyarrow as pa
+
+    before = pa.total_allocated_bytes()
+    table = ShardSet(shard_set).open_shard(0)
+    # Zero-copy from the mapped file: opening a shard allocates no Arrow memory for its rows.
+    assert pa.total_allocated_bytes() - before < table.nbytes // 4
+    assert table.schema.equals(SCHEMA, check_metadata=False)
+
+
+def test_verify_names_the_shard_and_both_checksums(shard_set, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(shard_set, copy)
+    ShardSet(copy).verify()
+    first = ShardSet(copy).shards[0]
+    path = copy / first["path"]
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardSetError) as e:
+        ShardSet(copy).verify()
+    msg = str(e.value)
+    assert msg.startswith(f"{first['path']}: sha256 mismatch (manifest says {first['sha256'][:12]}")
+    assert "re-run prepare" in msg
+
+
+def test_missing_manifest_is_a_clear_error(tmp_path):
+    with pytest.raises(ShardSetError, match="no manifest.json"):
+        ShardSet(tmp_path)
+
+
+def test_newer_schema_version_is_refused(shard_set, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(shard_set, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["schema_version"] = SCHEMA_VERSION + 1
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ShardSetError, match="schema_version"):
+        ShardSet(copy)
+
+
+def test_bad_removed_list_names_the_line(shard_set, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(shard_set, copy)
+    (copy / "removed.jsonl").write_text('{"key": "abc"}\n[1, 2]\n')
+    with pytest.raises(ShardSetError, match="removed.jsonl:2"):
+        ShardSet(copy)
+
+
+def test_shard_set_pickles_without_open_tables(shard_set):
+    import pickle
+
+    ss = ShardSet(shard_set)
+    row = ss[0]
+    assert pickle.loads(pickle.dumps(ss))[0] == row
+
+
+def test_decode_row_image_raw_and_jpeg(photos):
+    arr = np.asarray(photos["coffee"])
+    h, w = arr.shape[:2]
+    out = decode_row_image(arr.tobytes(), "raw", h, w)
+    np.testing.assert_array_equal(out, arr)
+    assert out.flags.writeable
+    buf = io.BytesIO()
+    photos["coffee"].save(buf, "JPEG", quality=95)
+    row = {"image": buf.getvalue(), "format": "jpeg", "height": h, "width": w}
+    jpg = decode_row_image(row)
+    assert jpg.shape == (h, w, 3) and jpg.dtype == np.uint8 and np.abs(jpg.astype(int) - arr).mean() < 4
+    gray = io.BytesIO()
+    photos["camera"].save(gray, "JPEG")
+    assert decode_row_image(gray.getvalue(), "jpeg").shape[2] == 3
+
+
+def test_decode_row_image_rejects_inconsistent_rows():
+    with pytest.raises(ValueError, match="needs"):
+        decode_row_image(b"\x00" * 10, "raw", 2, 2)
+    with pytest.raises(ValueError, match="unknown format"):
+        decode_row_image(b"", "png", 1, 1)

@@ -1,0 +1,149 @@
+"""pipelines.sources: each source kind enumerates the right items with the right labels."""
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipelines.decode import BadImage
+from pipelines.schema import make_key
+from pipelines.sources import SourceError, iter_items, plan
+
+
+@pytest.fixture
+def jpeg(photos, enc):
+    return enc(photos["chelsea"], "JPEG")
+
+
+def _by_name(items):
+    return {it.uri.rsplit("/", 1)[-1]: it for it in items}
+
+
+def test_folder_tree_labels_are_first_level_folders(tmp_path, wr, jpeg):
+    wr(tmp_path / "n01" / "a.jpg", jpeg)
+    wr(tmp_path / "n02" / "deeper" / "b.jpg", jpeg)
+    wr(tmp_path / "loose.jpg", jpeg)
+    items = _by_name(iter_items(str(tmp_path)))
+    assert items["a.jpg"].labels == ("n01",)
+    assert items["b.jpg"].labels == ("n02",)
+    assert items["loose.jpg"].labels == ()
+    assert items["a.jpg"].read() == jpeg
+
+
+def test_folder_tree_skips_hidden_files_but_keeps_other_files(tmp_path, wr, jpeg):
+    wr(tmp_path / "c" / "a.jpg", jpeg)
+    wr(tmp_path / "c" / ".DS_Store", b"junk")
+    wr(tmp_path / "c" / "._a.jpg", b"appledouble")
+    wr(tmp_path / ".cache" / "x.jpg", jpeg)
+    wr(tmp_path / "c" / "notes.txt", b"hello")
+    assert sorted(_by_name(iter_items(str(tmp_path)))) == ["a.jpg", "notes.txt"]
+
+
+def test_enumeration_order_and_keys_are_deterministic(tmp_path, wr, jpeg):
+    for i in range(40):
+        wr(tmp_path / f"c{i % 3}" / f"{i}.jpg", jpeg)
+    first = [(it.uri, it.key) for it in iter_items(str(tmp_path))]
+    second = [(it.uri, it.key) for it in iter_items("file://" + str(tmp_path))]
+    assert first == second and len(first) == 40
+    assert all(key == make_key(uri) for uri, key in first)
+
+
+def _tar(path, members: dict[str, bytes], mode="w"):
+    with tarfile.open(path, mode) as tf:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+    return path
+
+
+def test_tar_per_class_takes_the_archive_stem(tmp_path, jpeg):
+    # ImageNet-21k layout: one archive per synset with flat members.
+    _tar(tmp_path / "n04399382.tar", {"n04399382_1.JPEG": jpeg, "n04399382_2.JPEG": jpeg})
+    items = list(iter_items(str(tmp_path / "n04399382.tar")))
+    assert [it.labels for it in items] == [("n04399382",)] * 2
+    assert items[0].uri.startswith("tar://n04399382_1.JPEG::file://")
+    assert items[0].read() == jpeg
+
+
+def test_tar_member_folders_are_labels_and_gzip_works(tmp_path, jpeg):
+    _tar(tmp_path / "train.tar.gz", {"train/cat/1.jpg": jpeg, "train/dog/2.jpg": jpeg, "./3.jpg": jpeg}, "w:gz")
+    labels = {it.uri.split("::")[0]: it.labels for it in iter_items(str(tmp_path / "train.tar.gz"))}
+    assert labels == {"tar://train/cat/1.jpg": ("cat",), "tar://train/dog/2.jpg": ("dog",), "tar://3.jpg": ("train",)}
+
+
+def test_tar_uri_opens_with_fsspec(tmp_path, jpeg):
+    import fsspec
+
+    _tar(tmp_path / "n1.tar", {"x.jpg": jpeg})
+    (item,) = iter_items(str(tmp_path / "n1.tar"))
+    with fsspec.open(item.uri, "rb") as f:
+        assert f.read() == jpeg
+
+
+def test_folder_of_tars(tmp_path, jpeg):
+    _tar(tmp_path / "n1.tar", {"a.jpg": jpeg})
+    _tar(tmp_path / "n2.tar", {"b.jpg": jpeg})
+    assert [it.labels for it in iter_items(str(tmp_path))] == [("n1",), ("n2",)]
+
+
+def test_corrupt_tar_yields_one_corrupt_archive_item(tmp_path, jpeg):
+    good = _tar(tmp_path / "n1.tar", {"a.jpg": jpeg, "b.jpg": jpeg * 20}).read_bytes()
+    (tmp_path / "n1.tar").write_bytes(good[: 512 + len(jpeg) + 1024])  # cut inside the second member
+    items = list(iter_items(str(tmp_path / "n1.tar")))
+    assert items[0].read() == jpeg
+    assert items[-1].error[0] == "corrupt_archive"
+    with pytest.raises(BadImage, match="corrupt_archive"):
+        items[-1].read()
+
+
+def test_csv_manifest_multi_label_and_relative_uris(tmp_path, wr, jpeg):
+    wr(tmp_path / "img" / "a.jpg", jpeg)
+    wr(tmp_path / "img" / "b.jpg", jpeg)
+    (tmp_path / "m.csv").write_text('uri,labels\nimg/a.jpg,cat|animal\nimg/b.jpg,"[""dog"", ""animal""]"\n')
+    items = _by_name(iter_items(str(tmp_path / "m.csv")))
+    assert items["a.jpg"].labels == ("cat", "animal")
+    assert items["b.jpg"].labels == ("dog", "animal")
+    assert items["a.jpg"].read() == jpeg
+
+
+def test_jsonl_manifest_single_label_absolute_uri_and_bad_rows(tmp_path, wr, jpeg):
+    a = wr(tmp_path / "a.jpg", jpeg)
+    lines = [json.dumps({"uri": str(a), "label": "cat"}), json.dumps({"label": "dog"}), "{not json"]
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n")
+    items = list(iter_items(str(tmp_path / "m.jsonl")))
+    assert items[0].labels == ("cat",) and items[0].read() == jpeg
+    assert [it.error[0] for it in items[1:]] == ["bad_manifest_row", "bad_manifest_row"]
+
+
+def test_parquet_manifest_with_list_labels(tmp_path, wr, jpeg):
+    a = wr(tmp_path / "x" / "a.jpg", jpeg)
+    pq.write_table(pa.table({"uri": [str(a), "x/missing.jpg"], "labels": [["l1", "l2"], []]}), tmp_path / "m.parquet")
+    items = list(iter_items(str(tmp_path / "m.parquet")))
+    assert items[0].labels == ("l1", "l2")
+    assert items[1].labels == () and items[1].error[0] == "unreadable"
+    assert "file not found" in items[1].error[1]
+
+
+def test_manifest_without_uri_column_is_a_source_error(tmp_path):
+    (tmp_path / "m.csv").write_text("path,label\na.jpg,x\n")
+    with pytest.raises(SourceError, match="no 'uri' column"):
+        plan(str(tmp_path / "m.csv"))
+
+
+def test_missing_source_is_a_source_error(tmp_path):
+    with pytest.raises(SourceError, match="input not found"):
+        plan(str(tmp_path / "nope"))
+
+
+def test_memory_filesystem(jpeg):
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    fs.pipe("/srcmem/cls/a.jpg", jpeg)
+    (item,) = iter_items("memory://srcmem")
+    assert item.labels == ("cls",) and item.read() == jpeg and item.uri.startswith("memory://")
