@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# A Ray head on this machine, bound to 127.0.0.1 with token auth, for `ray job submit`.
+#
+#   infra/ray/local-cluster.sh start [--temp-dir DIR] [--num-cpus N] [--num-gpus N]
+#                                    [--port 6379] [--dashboard-port 8265]
+#   infra/ray/local-cluster.sh stop  [--temp-dir DIR]
+#
+# start prints the exact `ray job submit` line for this cluster. stop ends only the processes
+# this script started (their process group, recorded in DIR), never other Ray instances the
+# way `ray stop` would. DIR defaults to /tmp/ray-vitscale-$USER; keep it short, Ray's socket
+# paths under it must fit in 107 characters.
+set -euo pipefail
+
+die() { echo "local-cluster.sh: $*" >&2; exit 2; }
+usage() { sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
+
+action="${1:-}"
+[[ "$action" == start || "$action" == stop ]] || { [[ "$action" == -h || "$action" == --help ]] && usage 0; usage 2; }
+shift
+
+temp_dir="/tmp/ray-vitscale-${USER:-$(id -un)}"
+num_cpus="$(getconf _NPROCESSORS_ONLN)"
+num_gpus=0
+port=6379
+dash_port=8265
+while (($#)); do
+  [[ $# -ge 2 ]] || die "$1 needs a value"
+  case "$1" in
+    --temp-dir) temp_dir="$2" ;;
+    --num-cpus) num_cpus="$2" ;;
+    --num-gpus) num_gpus="$2" ;;
+    --port) port="$2" ;;
+    --dashboard-port) dash_port="$2" ;;
+    *) die "unknown option '$1'; see infra/ray/local-cluster.sh --help" ;;
+  esac
+  shift 2
+done
+for v in num_cpus num_gpus port dash_port; do
+  [[ "${!v}" =~ ^[0-9]+$ ]] || die "--${v//_/-} must be a whole number, got '${!v}'"
+done
+temp_dir="$(python3 -c 'import os, sys; print(os.path.abspath(sys.argv[1]))' "$temp_dir")"
+pid_file="$temp_dir/local-cluster.pid"
+log_file="$temp_dir/local-cluster.log"
+
+if [[ "$action" == stop ]]; then
+  [[ -f "$pid_file" ]] || die "no cluster started from $temp_dir ($pid_file missing); pass the --temp-dir used with start"
+  pgid="$(cat "$pid_file")"
+  if kill -0 -- "-$pgid" 2>/dev/null; then
+    # GCS, raylet and dashboard shut down on TERM; the `ray start --block` leader itself can
+    # linger after they are gone, so it gets KILL once nothing else in the session is alive.
+    kill -TERM -- "-$pgid"
+    for _ in $(seq 15); do
+      live="$(ps -s "$pgid" -o pid=,stat= | awk -v leader="$pgid" '$1 != leader && $2 !~ /^Z/' | wc -l)"
+      ((live == 0)) && break
+      sleep 1
+    done
+    kill -KILL -- "-$pgid" 2>/dev/null || true
+  fi
+  rm -f "$pid_file"
+  echo "stopped the Ray head started from $temp_dir"
+  exit 0
+fi
+
+# The ray CLI from the active environment, else the project's .venv.
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+ray_bin="${RAY_BIN:-$(command -v ray || true)}"
+[[ -n "$ray_bin" ]] || ray_bin="$repo/.venv/bin/ray"
+[[ -x "$ray_bin" ]] || die "no ray CLI found; run 'make test' (creates .venv) or activate an environment with ray[default]"
+
+if [[ -f "$pid_file" ]] && kill -0 -- "-$(cat "$pid_file")" 2>/dev/null; then
+  die "a head started from $temp_dir is already running; run: $0 stop --temp-dir $temp_dir"
+fi
+mkdir -p "$temp_dir"
+
+# `ray start` turns token auth on only when asked or when a token exists; ask, and make sure
+# the token exists (~/.ray/auth_token) so the head and every client share it.
+export RAY_AUTH_MODE=token
+"$ray_bin" get-auth-token --generate >/dev/null 2>&1 || die "could not create ~/.ray/auth_token with '$ray_bin get-auth-token --generate'"
+
+# --block keeps ray start in the foreground of its own session, so the whole cluster is one
+# process group that stop can end without touching other Ray instances.
+setsid "$ray_bin" start --head --block \
+  --node-ip-address=127.0.0.1 --port="$port" \
+  --dashboard-host=127.0.0.1 --dashboard-port="$dash_port" --include-dashboard=true \
+  --num-cpus="$num_cpus" --num-gpus="$num_gpus" \
+  --temp-dir="$temp_dir" --disable-usage-stats >"$log_file" 2>&1 &
+echo $! >"$pid_file"
+
+address="http://127.0.0.1:$dash_port"
+# Any HTTP answer means the dashboard is up: without the token it answers 401.
+dashboard_up() {
+  python3 - "$address" 2>/dev/null <<'PY'
+import sys, urllib.error, urllib.request
+try:
+    urllib.request.urlopen(sys.argv[1] + "/api/version", timeout=2)
+except urllib.error.HTTPError:
+    pass
+PY
+}
+up=0
+for _ in $(seq 120); do
+  if dashboard_up; then up=1; break; fi
+  kill -0 "$(cat "$pid_file")" 2>/dev/null || { tail -n 30 "$log_file" >&2; rm -f "$pid_file"; die "ray start exited; log: $log_file"; }
+  sleep 1
+done
+((up)) || die "the dashboard did not answer on $address within 120 s; log: $log_file (stop with: $0 stop --temp-dir $temp_dir)"
+
+# Leave CPUs free for Ray Data: training workers that reserve every CPU stall its tasks.
+if ((num_gpus > 0)); then
+  workers=$num_gpus; per_worker=$(( (num_cpus - 1) / (2 * num_gpus) )); ((per_worker >= 1)) || per_worker=1
+  gpu_flag=" --use-gpu"
+else
+  workers=$(( num_cpus / 2 )); ((workers >= 1)) || workers=1; per_worker=1; gpu_flag=""
+fi
+tracking="${MLFLOW_TRACKING_URI:-}"
+if [[ -n "$tracking" ]]; then
+  runtime_env="{\"env_vars\": {\"MLFLOW_TRACKING_URI\": \"$tracking\"}}"
+else
+  # The job runs in a copy of the working dir: pin the MLflow store to an absolute path or
+  # its runs land in that throwaway copy.
+  runtime_env="{\"env_vars\": {\"VITSCALE_HOME\": \"${VITSCALE_HOME:-$repo/mlruns}\"}}"
+fi
+
+cat <<MSG
+Ray head up: GCS 127.0.0.1:$port, dashboard $address, temp dir $temp_dir (log: $log_file)
+Submit from the repository root ($repo); --data and --output must be absolute paths:
+
+  RAY_AUTH_MODE=token $ray_bin job submit --address $address --working-dir . --runtime-env-json '$runtime_env' -- python jobs/pretrain.py --data /ABS/PATH/shards --output /ABS/PATH/pretrain_output --variant Ti/16 --img-size 224 --num-workers $workers --cpus-per-worker $per_worker$gpu_flag
+
+Stop it with: $0 stop --temp-dir $temp_dir
+MSG
