@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import warnings
 from typing import Any, Mapping
 
+import numpy as np
 from PIL import Image
 
 from pipelines.decode import BadImage, decode_image
@@ -50,9 +52,29 @@ def resize(img: Image.Image, size: int, max_long_side: int | None = None, upscal
     new = target_size(img.width, img.height, size, max_long_side, upscale)
     if new == img.size:
         return img
-    # reducing_gap lets Pillow box-reduce by an integer factor first when the
-    # image was not drafted (PNG, WebP...), with no visible change at gap 3.
-    return img.resize(new, Image.Resampling.BICUBIC, reducing_gap=3.0)
+    return resize_bicubic(img, new)
+
+
+def resize_bicubic(img: Image.Image, new: tuple[int, int]) -> Image.Image:
+    """Antialiased bicubic resize of an 8-bit RGB image to ``new`` = (width, height).
+
+    torch's uint8 antialiased kernels were written to reproduce Pillow's filters: against
+    ``Image.resize(BICUBIC)`` the output differs by at most one grey level (mean 0.004 on a
+    866x578 -> 576x384 photo), but they run about 6x faster (0.9 ms against 5.5 ms per image on
+    one core). After draft-mode decoding, Pillow's resize was the largest cost of the ingest.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    if img.mode != "RGB":
+        return img.resize(new, Image.Resampling.BICUBIC, reducing_gap=3.0)
+    with warnings.catch_warnings():
+        # Pillow's buffer is read-only; the kernel only reads it, so no copy is needed.
+        warnings.simplefilter("ignore", UserWarning)
+        x = torch.from_numpy(np.asarray(img)).permute(2, 0, 1).unsqueeze(0)
+    with torch.no_grad():
+        y = F.interpolate(x, size=(new[1], new[0]), mode="bicubic", antialias=True)
+    return Image.fromarray(y[0].permute(1, 2, 0).contiguous().numpy())
 
 
 def encode(img: Image.Image, store: str, quality: int) -> tuple[bytes, str]:

@@ -100,7 +100,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             pre = run_pretrain(PretrainConfig(
                 data=str(work / "shards" / "corpus"), output=str(work / "pretrain"), variant=cfg.variant,
                 depth=cfg.depth, img_size=cfg.img_size, epochs=cfg.epochs, batch_size=cfg.batch_size, lr=cfg.lr,
-                warmup_steps=50, num_workers=cfg.num_workers, dropout=0.0, log_every=5, seed=cfg.seed,
+                warmup_steps=50, num_workers=cfg.num_workers, dropout=0.0, log_every=5, seed=cfg.seed, holdout=0.1,
                 run_name="demo-pretrain",
             ))
             timings["pretrain"] = time.perf_counter() - t
