@@ -11,7 +11,8 @@ straight from the memory-mapped shards. Rows listed in the shard set's removal l
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+import zlib
+from typing import Callable, Literal, Sequence
 
 import numpy as np
 import torch
@@ -118,6 +119,54 @@ class ShardImageDataset(torch.utils.data.Dataset):
         y = torch.zeros(self.num_classes)
         y[list(labels)] = 1.0
         return x, y
+
+
+def is_held_out(key: str, fraction: float) -> bool:
+    """Whether the row with this key is held out. Decided by the key alone, so the map-style and
+    the Ray Data loaders, every worker layout and every re-run agree on the split."""
+    return zlib.crc32(key.encode("utf-8")) % 10_000 < round(fraction * 10_000)
+
+
+def holdout_mask(keys: Sequence[str], fraction: float) -> np.ndarray:
+    return np.fromiter((is_held_out(k, fraction) for k in keys), dtype=bool, count=len(keys))
+
+
+def shard_keys(shards: ShardSet) -> list[str]:
+    """Keys of the retained rows, in ``ShardSet`` index order (a memory-mapped column read)."""
+    return [k for batch in shards.iter_batches(columns=["key"]) for k in batch.column(0).to_pylist()]
+
+
+class DecodeBatch:
+    """Ray Data ``map_batches`` step: shard rows → model-ready images and targets, dropping held-out rows.
+
+    Run as a data task, it moves decoding and augmentation off the training workers (Ray Data's
+    disaggregated preprocessing). Augmentation is drawn from fresh entropy on each pass, since a
+    streaming pipeline does not know which epoch it is serving.
+    """
+
+    def __init__(self, size: int, *, label_mode: Literal["single", "multi"], num_classes: int,
+                 holdout: float, train: bool = True):
+        self.transform = train_transform(size) if train else eval_transform(size)
+        self.label_mode, self.num_classes, self.holdout, self.train = label_mode, num_classes, holdout, train
+
+    def __call__(self, batch: dict) -> dict:
+        rng = np.random.default_rng()
+        images, targets = [], []
+        for key, data, fmt, h, w, labels in zip(batch["key"], batch["image"], batch["format"], batch["height"],
+                                                 batch["width"], batch["labels"]):
+            if is_held_out(str(key), self.holdout) == self.train:
+                continue
+            images.append(self.transform(decode_row_image(bytes(data), str(fmt), int(h), int(w)), rng))
+            labels = [int(x) for x in labels]
+            if self.label_mode == "single":
+                targets.append(labels[0])
+            else:
+                y = np.zeros(self.num_classes, np.float32)
+                y[labels] = 1.0
+                targets.append(y)
+        if not images:
+            return {"image": np.zeros((0, 3, 1, 1), np.float32), "label": np.zeros((0,), np.int64)}
+        return {"image": np.stack(images), "label": np.asarray(targets)}
 
 
 def split_rows(rows: np.ndarray | int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:

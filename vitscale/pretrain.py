@@ -57,6 +57,12 @@ class PretrainConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
     dropout: float = field(default=0.1, metadata={"help": "dropout after dense layers (Appendix B.1)"})
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
+    loader: Literal["shards", "ray_data"] = field(
+        default="shards",
+        metadata={"help": "shards: each worker decodes its slice of the memory-mapped shards; "
+                          "ray_data: Ray Data data tasks decode and augment on CPUs the workers leave free"},
+    )
+    loader_workers: int = field(default=0, metadata={"help": "torch DataLoader processes per worker (shards loader)"})
     num_workers: int = field(default=2, metadata={"help": "Ray Train workers"})
     cpus_per_worker: int = field(default=1, metadata={"help": "CPUs reserved per worker (and torch threads)"})
     use_gpu: bool = field(default=False, metadata={"help": "one GPU per worker, NCCL, bf16 autocast"})
@@ -81,6 +87,7 @@ class PretrainConfig:
         check(0 <= self.holdout < 0.5, "holdout", f"must be in [0, 0.5), got {self.holdout}")
         check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
+        check(self.loader_workers >= 0, "loader_workers", f"must be >= 0, got {self.loader_workers}")
         if self.objective == "mpp":
             check(self.loss == "softmax", "loss", "masked patch prediction uses a 512-way softmax; leave loss=softmax")
 
@@ -149,7 +156,7 @@ def train_loop_per_worker(config: dict) -> None:
     import vitcore
     from vitcore.variants import decode_variant
     from vitscale import tracking
-    from vitscale.data import ShardImageDataset, eval_transform, split_rows, train_transform
+    from vitscale.data import ShardImageDataset, eval_transform, holdout_mask, shard_keys, train_transform
 
     cfg = PretrainConfig(**config["cfg"])
     ctx = ray.train.get_context()
@@ -159,18 +166,37 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
 
     full = ShardImageDataset(cfg.data, train_transform(cfg.img_size), label_mode="multi" if cfg.loss == "sigmoid" else "single", seed=cfg.seed)
-    train_rows, held_rows = split_rows(full.rows, cfg.holdout, cfg.seed)
-    train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode, rows=train_rows, seed=cfg.seed)
-    held_ds = ShardImageDataset(full.shards, eval_transform(cfg.img_size), label_mode=full.label_mode, rows=held_rows, seed=cfg.seed)
+    held = holdout_mask(shard_keys(full.shards), cfg.holdout)
+    train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode, rows=np.flatnonzero(~held), seed=cfg.seed)
+    held_ds = ShardImageDataset(full.shards, eval_transform(cfg.img_size), label_mode=full.label_mode, rows=np.flatnonzero(held), seed=cfg.seed)
     per_worker = max(1, cfg.batch_size // world)
-    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
-    loader = DataLoader(train_ds, batch_size=per_worker, sampler=sampler, drop_last=True,
-                        num_workers=config.get("loader_workers", 0), pin_memory=device.type == "cuda")
-    if len(loader) == 0:
+    steps_per_epoch = len(train_ds) // world // per_worker
+    if steps_per_epoch == 0:
         raise ValueError(
             f"{cfg.data}: {len(train_ds)} training rows cannot fill one batch of {per_worker} per worker "
             f"on {world} workers; lower batch_size or num_workers"
         )
+    if cfg.loader == "ray_data":
+        stream = ray.train.get_dataset_shard("train")
+
+        def epoch_batches(epoch: int):
+            # Ray Train splits the stream equally across workers, so every worker takes the same
+            # number of steps; the cap keeps DDP's collectives in lockstep regardless.
+            batches = stream.iter_torch_batches(batch_size=per_worker, drop_last=True,
+                                                local_shuffle_buffer_size=4 * per_worker)
+            for step_in_epoch, batch in enumerate(batches):
+                if step_in_epoch == steps_per_epoch:
+                    break
+                yield batch["image"], batch["label"]
+    else:
+        sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.seed, drop_last=True)
+        loader = DataLoader(train_ds, batch_size=per_worker, sampler=sampler, drop_last=True,
+                            num_workers=cfg.loader_workers, pin_memory=device.type == "cuda")
+
+        def epoch_batches(epoch: int):
+            sampler.set_epoch(epoch)
+            train_ds.set_epoch(epoch)
+            yield from loader
     held_sampler = DistributedSampler(held_ds, num_replicas=world, rank=rank, shuffle=False) if len(held_ds) else None
 
     num_classes = full.num_classes
@@ -200,7 +226,7 @@ def train_loop_per_worker(config: dict) -> None:
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr, betas=(0.9, 0.999),
     )
-    total_steps = cfg.epochs * len(loader)
+    total_steps = cfg.epochs * steps_per_epoch
     warmup = effective_warmup(cfg.warmup_steps, total_steps)
 
     start_epoch, step = 0, 0
@@ -214,11 +240,9 @@ def train_loop_per_worker(config: dict) -> None:
 
     run_id, uri = config["mlflow_run_id"], config["mlflow_uri"]
     for epoch in range(start_epoch, cfg.epochs):
-        sampler.set_epoch(epoch)
-        train_ds.set_epoch(epoch)
         trainable.train()
         t0, seen, loss_sum, correct_sum = time.perf_counter(), 0, 0.0, 0.0
-        for x, y in loader:
+        for x, y in epoch_batches(epoch):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lr = lr_at(step, total=total_steps, warmup=warmup, peak=cfg.lr, schedule=cfg.schedule)
             for g in opt.param_groups:
@@ -296,6 +320,30 @@ def evaluate(model, ds, sampler, batch_size, device, cfg, *, prefix: str) -> dic
     return {f"{prefix}_loss": loss_sum / max(1, n), f"{prefix}_accuracy": correct / max(1, n)}
 
 
+def ray_data_stream(cfg: PretrainConfig, shards):
+    """The training stream for ``loader="ray_data"``: shard reads, then decode + augment as data tasks.
+
+    Ray Data stalls when the training workers hold every CPU (REFERENCE.md), so refuse a layout
+    that leaves none for the data tasks instead of hanging.
+    """
+    import ray
+
+    from pipelines.ray_source import read_shards
+    from vitscale.data import DecodeBatch
+
+    total = int(ray.cluster_resources().get("CPU", 0))
+    reserved = cfg.num_workers * cfg.cpus_per_worker
+    if reserved >= total:
+        raise ConfigError(
+            f"loader: ray_data needs CPUs for its data tasks, but the {cfg.num_workers} workers reserve "
+            f"{reserved} of the cluster's {total} CPUs; lower num_workers or cpus_per_worker, or use loader=shards"
+        )
+    decode = DecodeBatch(cfg.img_size, label_mode="multi" if cfg.loss == "sigmoid" else "single",
+                         num_classes=len(shards.label_map), holdout=cfg.holdout)
+    columns = ["key", "image", "format", "height", "width", "labels"]
+    return read_shards(cfg.data, columns=columns).map_batches(decode, batch_format="numpy", batch_size=64)
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics and the saved model's path."""
     import ray.train
@@ -315,6 +363,10 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     output.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray_address)
 
+    datasets = {}
+    if cfg.loader == "ray_data":
+        datasets["train"] = ray_data_stream(cfg, shards)
+
     uri = tracking.tracking_uri()
     with tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
                             run_name=cfg.run_name or "pretrain") as run:
@@ -326,6 +378,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 "mlflow_run_id": run.info.run_id,
                 "mlflow_uri": uri,
             },
+            datasets=datasets,
             scaling_config=ScalingConfig(
                 num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                 resources_per_worker={"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {})},
