@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from vitscale.config import ConfigError, check
-from vitscale.pretrain import MODEL_FILE, _autocast, effective_warmup, lr_at
+from vitscale.pretrain import MODEL_FILE
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 
@@ -80,27 +80,8 @@ def build_model(cfg: FinetuneConfig, num_classes: int):
     return vitcore.reset_head(model, num_classes)
 
 
-def evaluate(model, loader, device, bf16: bool) -> dict[str, float]:
-    import torch
-    import torch.nn.functional as F
-
-    model.eval()
-    n = loss_sum = correct = 0.0
-    with torch.no_grad():
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            with _autocast(device, bf16):
-                logits = model(x).float()
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += float((logits.argmax(1) == y).sum())
-            n += x.shape[0]
-    model.train()
-    return {"loss": loss_sum / max(1, n), "accuracy": correct / max(1, n)}
-
-
 def finetune_trial(config: dict) -> None:
     """One learning rate: SGD fine-tuning, then val/test accuracy reported to Tune and MLflow."""
-    import numpy as np  # noqa: F401  (used by the data module's workers)
     import torch
     import torch.nn.functional as F
     from ray import tune
@@ -110,6 +91,7 @@ def finetune_trial(config: dict) -> None:
     from pipelines.schema import ShardSet
     from vitscale import tracking
     from vitscale.data import ShardImageDataset, eval_transform, split_rows, train_transform
+    from vitscale.training import autocast, effective_warmup, evaluate, lr_at, set_lr, update
 
     cfg = FinetuneConfig(**config["cfg"])
     lr = float(config["lr"])
@@ -143,15 +125,10 @@ def finetune_trial(config: dict) -> None:
             train_ds.set_epoch(epoch)
             for x, y in train_loader:
                 x, y = x.to(device), y.to(device)
-                for g in opt.param_groups:
-                    g["lr"] = lr_at(step, total=cfg.steps, warmup=warmup, peak=lr, schedule="cosine")
-                with _autocast(device, cfg.bf16):
+                set_lr(opt, lr_at(step, total=cfg.steps, warmup=warmup, peak=lr, schedule="cosine"))
+                with autocast(device, cfg.bf16):
                     loss = F.cross_entropy(model(x).float(), y)
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-                opt.step()
+                update(loss, opt, model, cfg.grad_clip)
                 step += 1
                 last = step == cfg.steps
                 if last or (cfg.eval_every and step % cfg.eval_every == 0):

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import os
 import shutil
 import tempfile
 import time
@@ -100,50 +98,6 @@ def model_options(cfg: Any) -> dict[str, Any]:
     return opts
 
 
-def lr_at(step: int, *, total: int, warmup: int, peak: float, schedule: str, end: float = 0.0) -> float:
-    """Linear warm-up to ``peak`` then linear or cosine decay to ``end`` at ``total`` steps."""
-    if warmup and step < warmup:
-        return peak * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    if schedule == "cosine":
-        return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * progress))
-    return peak + (end - peak) * progress
-
-
-def effective_warmup(requested: int, total_steps: int) -> int:
-    # A short run with the paper's 10k warm-up steps would never leave warm-up.
-    return min(requested, max(1, total_steps // 10))
-
-
-def _autocast(device, enabled: bool):
-    import torch
-
-    if enabled and device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _unwrap(module):
-    """The bare module under torch.compile's and DDP's wrappers."""
-    while True:
-        inner = getattr(module, "_orig_mod", None) or getattr(module, "module", None)
-        if inner is None:
-            return module
-        module = inner
-
-
-def _all_reduce_sum(values: list[float], device) -> list[float]:
-    import torch
-    import torch.distributed as dist
-
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
 def train_loop_per_worker(config: dict) -> None:
     """One Ray Train worker: build the model, stream its slice of the shards, train, report."""
     import numpy as np
@@ -156,6 +110,8 @@ def train_loop_per_worker(config: dict) -> None:
     import vitcore
     from vitcore.variants import decode_variant
     from vitscale import tracking
+    from vitscale.training import (all_reduce_sum, autocast, classification_loss, effective_warmup, evaluate,
+                                   lr_at, set_lr, unwrap, update)
     from vitscale.data import ShardImageDataset, eval_transform, holdout_mask, shard_keys, train_transform
 
     cfg = PretrainConfig(**config["cfg"])
@@ -234,7 +190,7 @@ def train_loop_per_worker(config: dict) -> None:
     if ckpt:
         with ckpt.as_directory() as d:
             state = torch.load(Path(d) / "train_state.pt", map_location=device, weights_only=False)
-        _unwrap(trainable).load_state_dict(state["model"])
+        unwrap(trainable).load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start_epoch, step = state["epoch"] + 1, state["step"]
 
@@ -245,9 +201,8 @@ def train_loop_per_worker(config: dict) -> None:
         for x, y in epoch_batches(epoch):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             lr = lr_at(step, total=total_steps, warmup=warmup, peak=cfg.lr, schedule=cfg.schedule)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            with _autocast(device, cfg.bf16):
+            set_lr(opt, lr)
+            with autocast(device, cfg.bf16):
                 if mpp:
                     # Appendix B.1.2: loss only on the corrupted patches; "accuracy" is per patch.
                     logits, targets, corrupted = trainable(x)
@@ -255,18 +210,9 @@ def train_loop_per_worker(config: dict) -> None:
                     loss = F.cross_entropy(logits, targets)
                     correct = (logits.argmax(1) == targets).float().mean() * x.shape[0]
                 else:
-                    logits = trainable(x).float()
-                    if cfg.loss == "sigmoid":
-                        loss = F.binary_cross_entropy_with_logits(logits, y, reduction="sum") / x.shape[0]
-                        correct = (y.gather(1, logits.argmax(1, keepdim=True)) > 0).sum()
-                    else:
-                        loss = F.cross_entropy(logits, y)
-                        correct = (logits.argmax(1) == y).sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(trainable.parameters(), cfg.grad_clip)
-            opt.step()
+                    loss_sum_batch, correct = classification_loss(trainable(x), y)
+                    loss = loss_sum_batch / x.shape[0]
+            update(loss, opt, trainable, cfg.grad_clip)
             step += 1
             seen += x.shape[0]
             loss_sum += loss.item() * x.shape[0]
@@ -274,7 +220,7 @@ def train_loop_per_worker(config: dict) -> None:
             if rank == 0 and run_id and step % cfg.log_every == 0:
                 tracking.log_metrics_to(run_id, {"train_loss": loss.item(), "lr": lr}, step=step, uri=uri)
         elapsed = time.perf_counter() - t0
-        seen_all, loss_all, correct_all = _all_reduce_sum([seen, loss_sum, correct_sum], device)
+        seen_all, loss_all, correct_all = all_reduce_sum([seen, loss_sum, correct_sum], device)
         metrics = {
             "epoch": epoch,
             "step": step,
@@ -283,41 +229,18 @@ def train_loop_per_worker(config: dict) -> None:
             "images_per_second": seen_all / max(elapsed, 1e-9),
         }
         if held_sampler is not None and not mpp:
-            metrics.update(evaluate(trainable, held_ds, held_sampler, per_worker, device, cfg, prefix="holdout"))
+            held = evaluate(trainable, DataLoader(held_ds, batch_size=per_worker, sampler=held_sampler), device, cfg.bf16)
+            metrics.update(holdout_loss=held["loss"], holdout_accuracy=held["accuracy"])
         if rank == 0 and run_id:
             tracking.log_metrics_to(run_id, {k: v for k, v in metrics.items() if k != "step"}, step=step, uri=uri)
         with tempfile.TemporaryDirectory() as d:
             checkpoint = None
             if rank == 0:
-                torch.save({"model": _unwrap(trainable).state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "step": step},
+                torch.save({"model": unwrap(trainable).state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "step": step},
                            Path(d) / "train_state.pt")
                 vitcore.save_checkpoint(model, Path(d) / MODEL_FILE)
                 checkpoint = ray.train.Checkpoint.from_directory(d)
             ray.train.report(metrics, checkpoint=checkpoint)
-
-
-def evaluate(model, ds, sampler, batch_size, device, cfg, *, prefix: str) -> dict[str, float]:
-    """Loss and top-1 accuracy on a dataset split across workers, summed over all of them."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader
-
-    model.eval()
-    n = loss_sum = correct = 0.0
-    with torch.no_grad():
-        for x, y in DataLoader(ds, batch_size=batch_size, sampler=sampler):
-            x, y = x.to(device), y.to(device)
-            with _autocast(device, cfg.bf16):
-                logits = model(x).float()
-            if y.ndim == 2:
-                loss_sum += float(F.binary_cross_entropy_with_logits(logits, y, reduction="sum"))
-                correct += float((y.gather(1, logits.argmax(1, keepdim=True)) > 0).sum())
-            else:
-                loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-                correct += float((logits.argmax(1) == y).sum())
-            n += x.shape[0]
-    n, loss_sum, correct = _all_reduce_sum([n, loss_sum, correct], device)
-    return {f"{prefix}_loss": loss_sum / max(1, n), f"{prefix}_accuracy": correct / max(1, n)}
 
 
 def ray_data_stream(cfg: PretrainConfig, shards):
@@ -346,7 +269,6 @@ def ray_data_stream(cfg: PretrainConfig, shards):
 
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics and the saved model's path."""
-    import ray.train
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 

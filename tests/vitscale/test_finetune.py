@@ -1,5 +1,4 @@
 """Ray Tune fine-tuning: input checks that name the problem, and the selected model."""
-import shutil
 
 import pytest
 

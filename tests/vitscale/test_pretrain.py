@@ -9,7 +9,8 @@ import pytest
 import vitcore
 from vitscale import tracking
 from vitscale.config import ConfigError
-from vitscale.pretrain import PretrainConfig, effective_warmup, lr_at, run_pretrain
+from vitscale.pretrain import PretrainConfig, run_pretrain
+from vitscale.training import effective_warmup, lr_at
 
 
 def test_schedule_warms_up_then_decays():

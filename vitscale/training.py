@@ -1,0 +1,94 @@
+"""Training-loop pieces shared by pre-training and fine-tuning: schedules, precision, updates, evaluation."""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def lr_at(step: int, *, total: int, warmup: int, peak: float, schedule: str, end: float = 0.0) -> float:
+    """Linear warm-up to ``peak`` then linear or cosine decay to ``end`` at ``total`` steps."""
+    if warmup and step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if schedule == "cosine":
+        return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * progress))
+    return peak + (end - peak) * progress
+
+
+def effective_warmup(requested: int, total_steps: int) -> int:
+    # A short run with the paper's 10k warm-up steps would never leave warm-up.
+    return min(requested, max(1, total_steps // 10))
+
+
+def autocast(device: torch.device, enabled: bool):
+    """bf16 autocast on GPU (Hopper/Ampere tensor cores); CPU runs stay fp32."""
+    if enabled and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The bare module under torch.compile's and DDP's wrappers."""
+    while True:
+        inner = getattr(module, "_orig_mod", None) or getattr(module, "module", None)
+        if inner is None:
+            return module
+        module = inner
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum across data-parallel workers; the identity outside a process group."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        group["lr"] = lr
+
+
+def update(loss: torch.Tensor, opt: torch.optim.Optimizer, model: torch.nn.Module, grad_clip: float) -> None:
+    """One optimiser step with global-norm clipping (the paper clips at 1 for every run)."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if grad_clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    opt.step()
+
+
+def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed loss and number correct for class indices (softmax) or multi-hot targets (sigmoid).
+
+    A multi-label prediction counts as correct when its top class is one of the image's labels.
+    """
+    logits = logits.float()
+    if targets.ndim == 2:
+        loss = F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
+        correct = (targets.gather(1, logits.argmax(1, keepdim=True)) > 0).sum()
+    else:
+        loss = F.cross_entropy(logits, targets, reduction="sum")
+        correct = (logits.argmax(1) == targets).sum()
+    return loss, correct
+
+
+def evaluate(model: torch.nn.Module, batches, device: torch.device, bf16: bool) -> dict[str, float]:
+    """Mean loss and top-1 accuracy over ``batches``, summed over every data-parallel worker."""
+    was_training = model.training
+    model.eval()
+    n = loss_sum = correct = 0.0
+    with torch.no_grad():
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            with autocast(device, bf16):
+                logits = model(x)
+            loss, right = classification_loss(logits, y)
+            loss_sum, correct, n = loss_sum + float(loss), correct + float(right), n + x.shape[0]
+    n, loss_sum, correct = all_reduce_sum([n, loss_sum, correct], device)
+    model.train(was_training)
+    return {"n": n, "loss": loss_sum / max(1, n), "accuracy": correct / max(1, n)}
