@@ -1,1 +1,31 @@
-"""Near-duplicate detection of pre-training images against downstream test sets (paper Section 4.1, after BiT)."""
+"""Near-duplicate detection of pre-training images against downstream test sets (paper Section 4.1, after BiT).
+
+Modules: :mod:`dedup.signatures` (content hash and 128-bit luminance DCT
+signature), :mod:`dedup.index` (test-set index, multi-index hashing, Arrow
+persistence), :mod:`dedup.calibration` (transform benchmark and threshold),
+:mod:`dedup.transforms`, :mod:`dedup.rescan` / :mod:`dedup.job` (incremental
+re-check of shard sets, ``removed.jsonl``), :mod:`dedup.report`.
+
+What counts as a near-duplicate
+-------------------------------
+A corpus image duplicates a test image when their decoded pixels are identical
+(content hash), or when, for some crop variant ``v`` of the test image
+(``signatures.CROP_VARIANTS``: 25 crops of 0..10% per side) and the corpus
+image's signature ``q``:
+
+(a) one of the 6 leading 21-bit blocks of ``q`` and ``v`` differs in at most 1
+    bit (the *block condition*), and
+(b) ``q`` and ``v`` differ in at most ``threshold`` of 128 bits (default
+    ``calibration.DEFAULT_THRESHOLD`` = 28).
+
+The search (``TestSetIndex.search``/``match``) is exact for this rule: it finds
+every pair the rule accepts and no other, and ``TestSetIndex.brute_force``
+evaluates the same rule over all pairs to check it. Condition (a) is part of
+the definition because it makes the search sub-linear; on held-out photos it
+costs 0.4 points of mean recall (0.995 -> 0.991), 2 points on random crops.
+
+Calibrated on held-out photos (``python -m dedup.calibration --holdout``):
+mean recall 0.991 over 21 transforms, 0 false matches over 15,006 distinct
+pairs; weakest are 10% crops on all sides (0.96) and random per-side crops
+(0.97). Figures per transform: :mod:`dedup.calibration`.
+"""

@@ -7,11 +7,12 @@ decodes test images it has not seen (``TestSetIndex.add_source``), and
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 from PIL import Image
 
-from dedup.index import TestSetIndex, build_test_set_index
+from dedup.index import IndexOutdated, TestSetIndex, build_test_set_index
 from dedup.registry import iter_images, parse_test_sets
 from dedup.report import write_report
 from dedup.rescan import rescan
@@ -40,6 +41,19 @@ class DedupConfig:
             parse_test_sets(self.test_set)
         except ValueError as exc:
             check(False, "test_set", str(exc))
+
+
+def _load_or_discard(index_dir: Path, threshold: int | None) -> TestSetIndex | None:
+    """The saved index, or None (after deleting it) when another rule built it: it is rebuilt from the sources."""
+    if not (index_dir / "index.json").exists():
+        return None
+    try:
+        return TestSetIndex.load(index_dir, threshold=threshold)
+    except IndexOutdated as exc:
+        print(f"dedup: rebuilding the test-set index: {exc}", file=sys.stderr)
+        for f in list(index_dir.glob("*.arrow")) + [index_dir / "index.json"]:
+            f.unlink()
+        return None
 
 
 def _corpus_loader(shard_dir: Path, keys: set[str]):
@@ -82,7 +96,7 @@ def run(cfg: DedupConfig) -> dict:
     report_dir = Path(cfg.report_dir) if cfg.report_dir else shard_dir / "dedup_report"
     sources = parse_test_sets(cfg.test_set)
     with tracking.start_run("dedup", params=dataclasses.asdict(cfg)) as run_:
-        base = TestSetIndex.load(index_dir, threshold=cfg.threshold) if (index_dir / "index.json").exists() else None
+        base = _load_or_discard(index_dir, cfg.threshold)
         index = build_test_set_index(sources, threshold=cfg.threshold, base=base)
         index.save(index_dir)
         result = rescan(shard_dir, index)

@@ -9,7 +9,8 @@ State lives in ``dedup_state.json`` next to the shards: for every shard (by
 sha256) the fingerprint of each test set it has been checked against. A run
 checks only (shard, test set) pairs whose shard is new or whose test set is new
 or changed, so a second run with nothing new does nothing and says so. A change
-of threshold or signature version invalidates every pair.
+of the match rule (threshold, signature version, crop variants, blocks:
+``dedup.index.rule_id``) invalidates every pair.
 """
 from __future__ import annotations
 
@@ -54,14 +55,14 @@ class RescanResult:
 
 def _load_state(path: Path, index: TestSetIndex) -> dict:
     fresh = {"format": STATE_FORMAT, "signature_version": sig.SIGNATURE_VERSION,
-             "threshold": index.threshold, "shards": {}}
+             "threshold": index.threshold, "rule": index.rule_id(), "shards": {}}
     if not path.exists():
         return fresh
     try:
         state = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc}); delete it to re-check every shard") from exc
-    if (state.get("signature_version"), state.get("threshold")) != (sig.SIGNATURE_VERSION, index.threshold):
+    if state.get("rule") != index.rule_id():  # another threshold, signature or variant set: re-check all
         return fresh
     return state
 

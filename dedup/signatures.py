@@ -14,7 +14,8 @@ median of the selected coefficients, which is invariant to any brightness and
 positive contrast change that does not clip. Uniform borders are trimmed first,
 so an added frame maps back to the original content. Crops are handled on the
 index side (:func:`variant_codes`): each test image is also indexed under the
-crops a corpus copy may have had.
+crops a corpus copy may have had (``CROP_VARIANTS``), and a corpus image
+matches when it is close to any of them (the match rule: :mod:`dedup.index`).
 
 The default threshold and the measured recall and false-match rate are recorded
 in :mod:`dedup.calibration` (``DEFAULT_THRESHOLD`` there, used by the index).
@@ -48,15 +49,24 @@ _TRIM_MEAN = 6.0
 _TRIM_MAX = 0.25
 
 # Index-side crop variants (left, top, right, bottom) as fractions of each side.
-# The code tolerates a few percent of misalignment; this grid over the 0..10%
-# per side range was chosen by the calibration (more variants cost index size
-# and false matches).
-CROP_VARIANTS: tuple[tuple[float, float, float, float], ...] = (
+# A corpus copy cropped by up to 10% per side, each side independently, lies in
+# the box [0, 0.1]^4 of crops. The code tolerates about 2.5% of misalignment per
+# side, so the 16 centres (0.025 | 0.075)^4 cover that box's interior in the
+# L-infinity sense; the uncrop, the 10% side and corner crops are kept exactly
+# because those are the common crops (and the centres reach them only at their
+# covering radius). Held-out calibration (dedup.calibration): the 16 centres
+# raised random-crop recall under the match rule from 0.79 (9 variants) to
+# 0.97; the full {0, 0.05, 0.1}^4 grid (81 variants) reached 0.99 but more than
+# doubled the distinct-pair false matches and triples the index.
+_CROP_CORNERS: tuple[tuple[float, float, float, float], ...] = (
     (0.0, 0.0, 0.0, 0.0),
     (0.1, 0.0, 0.0, 0.0), (0.0, 0.1, 0.0, 0.0), (0.0, 0.0, 0.1, 0.0), (0.0, 0.0, 0.0, 0.1),
     (0.1, 0.1, 0.0, 0.0), (0.0, 0.0, 0.1, 0.1),
     (0.05, 0.05, 0.05, 0.05), (0.1, 0.1, 0.1, 0.1),
 )
+_CROP_CENTRES = tuple((l, t, r, b) for l in (0.025, 0.075) for t in (0.025, 0.075)
+                      for r in (0.025, 0.075) for b in (0.025, 0.075))
+CROP_VARIANTS: tuple[tuple[float, float, float, float], ...] = _CROP_CORNERS + _CROP_CENTRES
 
 
 def content_hash(img: Image.Image) -> str:

@@ -96,6 +96,11 @@ TRANSFORMS: dict[str, Transform] = {
 }
 
 
+# Transforms that draw from their seed: the calibration samples these several
+# times per image, so one unlucky draw does not decide their recall.
+RANDOM_TRANSFORMS = frozenset({"crop_random", "border_5_color"})
+
+
 def apply(name: str, img: Image.Image, seed: int = 0) -> Image.Image:
     if name not in TRANSFORMS:
         raise KeyError(f"transform {name!r}: unknown; choose from {', '.join(TRANSFORMS)}")

@@ -7,7 +7,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dedup import signatures as sig
-from dedup.index import TestSetIndex, build_test_set_index
+from dedup.index import IndexOutdated, TestSetIndex, build_test_set_index
 
 
 def _random_index(n=3000, seed=0, threshold=32):
@@ -90,3 +90,19 @@ def test_bad_test_images_are_quarantined_not_fatal(tmp_path, photos):
 def test_threshold_outside_the_code_is_rejected():
     with pytest.raises(ValueError, match="threshold"):
         TestSetIndex(threshold=sig.CODE_BITS)
+
+
+def test_an_index_saved_under_other_crop_variants_is_refused(tmp_path, photos):
+    index = TestSetIndex()
+    index.add("a", "astronaut", photos["astronaut.png"])
+    index.save(tmp_path)
+    manifest = json.loads((tmp_path / "index.json").read_text())
+    manifest["crop_variants"] = manifest["crop_variants"][:9]
+    (tmp_path / "index.json").write_text(json.dumps(manifest))
+    with pytest.raises(IndexOutdated, match="crop variants"):
+        TestSetIndex.load(tmp_path)
+
+
+def test_rule_id_changes_with_the_threshold():
+    assert TestSetIndex(threshold=20).rule_id() != TestSetIndex(threshold=21).rule_id()
+    assert TestSetIndex(threshold=20).rule_id() == TestSetIndex(threshold=20).rule_id()

@@ -91,3 +91,18 @@ def test_job_cli_names_a_missing_shard_set(tmp_path):
 def test_config_rejects_a_test_set_without_a_source():
     with pytest.raises(ConfigError, match="test_set"):
         DedupConfig(shards="/data/s", test_set=["cifar10"])
+
+
+def test_job_rebuilds_an_index_saved_under_other_crop_variants(corpus, monkeypatch, capfd):
+    monkeypatch.setenv("VITSCALE_HOME", str(corpus / "mlruns"))
+    shards = corpus / "shards"
+    cfg = DedupConfig(shards=str(shards), test_set=[f"set_a={corpus / 'set_a'}"])
+    run(cfg)
+    manifest_path = shards / "dedup_index" / "index.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["crop_variants"] = manifest["crop_variants"][:9]
+    manifest_path.write_text(json.dumps(manifest))
+    summary = run(cfg)
+    assert "rebuilding the test-set index" in capfd.readouterr().err
+    assert summary["test_images"]["set_a"] == 2
+    assert json.loads(manifest_path.read_text())["crop_variants"] != manifest["crop_variants"]
