@@ -45,9 +45,21 @@ def inception_crop(
     return img.resize((size, size), Image.BILINEAR, box=(x, y, x + side, y + side))
 
 
-def train_transform(size: int, *, flip: bool = True, min_area: float = 0.05) -> Transform:
+def to_uint8_chw(arr: np.ndarray) -> np.ndarray:
+    """uint8 HWC → uint8 CHW: a quarter of float32's bytes to ship between processes and to the
+    GPU; :func:`normalize` finishes the job on the device."""
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """uint8 CHW batch → float in [-1, 1] (a no-op for batches that are already float)."""
+    return x if x.is_floating_point() else x.float().sub_(127.5).div_(127.5)
+
+
+def train_transform(size: int, *, flip: bool = True, min_area: float = 0.05, uint8: bool = False) -> Transform:
     """Inception crop covering at least ``min_area`` of the image (1.0: plain resize), then a
-    random flip. VTAB-style tasks where a flip or a crop changes the label turn them off."""
+    random flip. VTAB-style tasks where a flip or a crop changes the label turn them off.
+    ``uint8=True`` returns uint8 CHW for :func:`normalize` to finish on the device."""
     if not 0.0 < min_area <= 1.0:
         raise ValueError(f"min_area must be in (0, 1], got {min_area}")
 
@@ -59,14 +71,15 @@ def train_transform(size: int, *, flip: bool = True, min_area: float = 0.05) -> 
             img = img.resize((size, size), Image.BILINEAR)
         if flip and rng.random() < 0.5:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
-        return value_range(np.asarray(img))
+        return to_uint8_chw(np.asarray(img)) if uint8 else value_range(np.asarray(img))
 
     return apply
 
 
-def eval_transform(size: int) -> Transform:
+def eval_transform(size: int, *, uint8: bool = False) -> Transform:
     def apply(arr: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        return value_range(np.asarray(Image.fromarray(arr).resize((size, size), Image.BILINEAR)))
+        out = np.asarray(Image.fromarray(arr).resize((size, size), Image.BILINEAR))
+        return to_uint8_chw(out) if uint8 else value_range(out)
 
     return apply
 
@@ -140,13 +153,14 @@ class DecodeBatch:
     """Ray Data ``map_batches`` step: shard rows → model-ready images and targets, dropping held-out rows.
 
     Run as a data task, it moves decoding and augmentation off the training workers (Ray Data's
-    disaggregated preprocessing). Augmentation is drawn from fresh entropy on each pass, since a
-    streaming pipeline does not know which epoch it is serving.
+    disaggregated preprocessing). Images leave as uint8 (a quarter of float32's bytes through the
+    object store); the trainer applies :func:`normalize`. Augmentation is drawn from fresh
+    entropy on each pass, since a streaming pipeline does not know which epoch it is serving.
     """
 
     def __init__(self, size: int, *, label_mode: Literal["single", "multi"], num_classes: int,
                  holdout: float, train: bool = True):
-        self.transform = train_transform(size) if train else eval_transform(size)
+        self.transform = train_transform(size, uint8=True) if train else eval_transform(size, uint8=True)
         self.label_mode, self.num_classes, self.holdout, self.train = label_mode, num_classes, holdout, train
 
     def __call__(self, batch: dict) -> dict:
@@ -165,7 +179,7 @@ class DecodeBatch:
                 y[labels] = 1.0
                 targets.append(y)
         if not images:
-            return {"image": np.zeros((0, 3, 1, 1), np.float32), "label": np.zeros((0,), np.int64)}
+            return {"image": np.zeros((0, 3, 1, 1), np.uint8), "label": np.zeros((0,), np.int64)}
         return {"image": np.stack(images), "label": np.asarray(targets)}
 
 

@@ -112,7 +112,7 @@ def train_loop_per_worker(config: dict) -> None:
     from vitscale import tracking
     from vitscale.training import (all_reduce_sum, autocast, classification_loss, effective_warmup, evaluate,
                                    lr_at, set_lr, unwrap, update)
-    from vitscale.data import ShardImageDataset, eval_transform, holdout_mask, shard_keys, train_transform
+    from vitscale.data import ShardImageDataset, eval_transform, holdout_mask, normalize, shard_keys, train_transform
 
     cfg = PretrainConfig(**config["cfg"])
     ctx = ray.train.get_context()
@@ -199,7 +199,8 @@ def train_loop_per_worker(config: dict) -> None:
         trainable.train()
         t0, seen, loss_sum, correct_sum = time.perf_counter(), 0, 0.0, 0.0
         for x, y in epoch_batches(epoch):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # uint8 batches (Ray Data) cross to the device at a quarter of the bytes, then normalise there.
+            x, y = normalize(x.to(device, non_blocking=True)), y.to(device, non_blocking=True)
             lr = lr_at(step, total=total_steps, warmup=warmup, peak=cfg.lr, schedule=cfg.schedule)
             set_lr(opt, lr)
             with autocast(device, cfg.bf16):
