@@ -151,9 +151,26 @@ def plan(source: str, *, files_per_unit: int = FILES_PER_UNIT) -> list[Unit]:
     return [Unit("files", (url,), ((),))]
 
 
+class _FileBatcher:
+    """Groups (uri, labels) pairs, in order, into "files" units of at most ``size`` items."""
+
+    def __init__(self, units: list[Unit], size: int):
+        self.units, self.size, self.batch = units, size, []
+
+    def add(self, uri: str, labels: tuple[str, ...]) -> None:
+        self.batch.append((uri, labels))
+        if len(self.batch) == self.size:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.batch:
+            self.units.append(Unit("files", tuple(u for u, _ in self.batch), tuple(l for _, l in self.batch)))
+            self.batch = []
+
+
 def _plan_tree(fs, root: str, files_per_unit: int) -> list[Unit]:
     units: list[Unit] = []
-    batch: list[tuple[str, tuple[str, ...]]] = []
+    files = _FileBatcher(units, files_per_unit)
     for path in sorted(fs.find(root, withdirs=False)):
         rel = path[len(root):].lstrip("/")
         if not rel or _is_hidden(rel):
@@ -164,12 +181,8 @@ def _plan_tree(fs, root: str, files_per_unit: int) -> list[Unit]:
         if _has_suffix(path, TAR_SUFFIXES):
             units.append(Unit("tar", (url,), (labels or (_tar_stem(path),),)))
             continue
-        batch.append((url, labels))
-        if len(batch) == files_per_unit:
-            units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
-            batch = []
-    if batch:
-        units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
+        files.add(url, labels)
+    files.flush()
     return units
 
 
@@ -235,7 +248,7 @@ def _plan_manifest(fs, path: str, files_per_unit: int) -> list[Unit]:
     base = posixpath.dirname(path)
     manifest_url = fs.unstrip_protocol(path)
     units: list[Unit] = []
-    batch: list[tuple[str, tuple[str, ...]]] = []
+    files = _FileBatcher(units, files_per_unit)
     columns_checked = False
     for n, row in enumerate(_manifest_rows(fs, path)):
         if not columns_checked and "__error__" not in row:
@@ -248,9 +261,7 @@ def _plan_manifest(fs, path: str, files_per_unit: int) -> list[Unit]:
         uri = row.get("uri")
         if "__error__" in row or not isinstance(uri, str) or not uri.strip():
             why = row.get("__error__") or f"row {n} has no uri"
-            if batch:  # keep manifest order
-                units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
-                batch = []
+            files.flush()  # keep manifest order
             units.append(Unit("error", (f"{manifest_url}#row={n}",), error=("bad_manifest_row", f"{manifest_url}: {why}")))
             continue
         uri = uri.strip()
@@ -260,12 +271,8 @@ def _plan_manifest(fs, path: str, files_per_unit: int) -> list[Unit]:
             labels = _parse_labels(row["labels"], multi=True)
         else:
             labels = _parse_labels(row.get("label"), multi=False)
-        batch.append((uri, labels))
-        if len(batch) == files_per_unit:
-            units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
-            batch = []
-    if batch:
-        units.append(Unit("files", tuple(u for u, _ in batch), tuple(l for _, l in batch)))
+        files.add(uri, labels)
+    files.flush()
     return units
 
 
