@@ -10,6 +10,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import field
 from pathlib import Path
@@ -73,6 +74,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     init_ray(log_to_driver=cfg.verbose)
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
+    # The demo is a fresh run each time: its fixed run name would otherwise resume (and so
+    # skip) the previous demo's pre-training. The MLflow store is kept, so runs accumulate.
+    for stale in ("pretrain", "finetune"):
+        shutil.rmtree(work / stale, ignore_errors=True)
     # The demo's MLflow store lives with its outputs unless the user points elsewhere.
     os.environ.setdefault("VITSCALE_HOME", str(work / "mlruns"))
     timings: dict[str, float] = {}

@@ -98,6 +98,23 @@ def model_options(cfg: Any) -> dict[str, Any]:
     return opts
 
 
+# Fields that may change between a run and its resumption: more epochs, or where it runs and logs.
+RESUME_MAY_CHANGE = frozenset({"epochs", "max_failures", "log_every", "ray_address", "parent_run_id", "run_name",
+                               "output", "data", "loader_workers"})
+
+
+def check_resumable(saved: dict, current: dict) -> None:
+    """Refuse to continue a checkpoint under a different recipe, which would silently mix two runs."""
+    changed = sorted(k for k in set(saved) | set(current)
+                     if k not in RESUME_MAY_CHANGE and saved.get(k) != current.get(k))
+    if changed:
+        diffs = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in changed)
+        raise ConfigError(
+            f"run_name {current.get('run_name')!r}: cannot resume a run trained with a different config ({diffs}); "
+            "use a new --run-name or --output to start fresh"
+        )
+
+
 def train_loop_per_worker(config: dict) -> None:
     """One Ray Train worker: build the model, stream its slice of the shards, train, report."""
     import numpy as np
@@ -190,6 +207,7 @@ def train_loop_per_worker(config: dict) -> None:
     if ckpt:
         with ckpt.as_directory() as d:
             state = torch.load(Path(d) / "train_state.pt", map_location=device, weights_only=False)
+        check_resumable(state.get("cfg", {}), config["cfg"])
         unwrap(trainable).load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start_epoch, step = state["epoch"] + 1, state["step"]
@@ -237,7 +255,8 @@ def train_loop_per_worker(config: dict) -> None:
         with tempfile.TemporaryDirectory() as d:
             checkpoint = None
             if rank == 0:
-                torch.save({"model": unwrap(trainable).state_dict(), "optimizer": opt.state_dict(), "epoch": epoch, "step": step},
+                torch.save({"model": unwrap(trainable).state_dict(), "optimizer": opt.state_dict(), "epoch": epoch,
+                            "step": step, "cfg": config["cfg"]},
                            Path(d) / "train_state.pt")
                 vitcore.save_checkpoint(model, Path(d) / MODEL_FILE)
                 checkpoint = ray.train.Checkpoint.from_directory(d)

@@ -87,3 +87,12 @@ def test_holdout_split_depends_on_keys_only():
     assert 400 < mask.sum() < 600
     assert np.array_equal(mask, holdout_mask(list(keys), 0.1))
     assert np.array_equal(mask[::-1], holdout_mask(keys[::-1], 0.1))
+
+
+def test_resuming_under_a_different_recipe_is_refused():
+    from vitscale.pretrain import check_resumable
+
+    saved = {"lr": 0.001, "epochs": 1, "holdout": 0.02, "run_name": "r"}
+    check_resumable(saved, {**saved, "epochs": 5})  # more epochs: fine
+    with pytest.raises(ConfigError, match="holdout: checkpoint 0.02, now 0.1"):
+        check_resumable(saved, {**saved, "holdout": 0.1})
