@@ -105,6 +105,8 @@ RESUME_MAY_CHANGE = frozenset({"epochs", "max_failures", "log_every", "ray_addre
 
 def check_resumable(saved: dict, current: dict) -> None:
     """Refuse to continue a checkpoint under a different recipe, which would silently mix two runs."""
+    if not saved:  # written before checkpoints recorded their config
+        return
     changed = sorted(k for k in set(saved) | set(current)
                      if k not in RESUME_MAY_CHANGE and saved.get(k) != current.get(k))
     if changed:
@@ -287,6 +289,18 @@ def ray_data_stream(cfg: PretrainConfig, shards):
     return read_shards(cfg.data, columns=columns).map_batches(decode, batch_format="numpy", batch_size=64)
 
 
+def _config_error_from_workers(exc: BaseException) -> ConfigError | None:
+    """A ConfigError raised on a worker (e.g. a refused resume), so the CLI reports it in one line."""
+    failures = getattr(exc, "worker_failures", None) or {}
+    for failure in failures.values():
+        seen = failure
+        while seen is not None:
+            if isinstance(seen, ConfigError):
+                return ConfigError(str(seen))
+            seen = seen.__cause__ or getattr(seen, "cause", None)
+    return None
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics and the saved model's path."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
@@ -332,9 +346,12 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 failure_config=FailureConfig(max_failures=cfg.max_failures),
             ),
         )
-        result = trainer.fit()
+        try:
+            result = trainer.fit()
+        except Exception as exc:
+            raise _config_error_from_workers(exc) or exc
         if result.error:
-            raise result.error
+            raise _config_error_from_workers(result.error) or result.error
         model_path = output / MODEL_FILE
         with result.checkpoint.as_directory() as d:
             shutil.copyfile(Path(d) / MODEL_FILE, model_path)
