@@ -141,9 +141,9 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
 
     full = ShardImageDataset(cfg.data, train_transform(cfg.img_size), label_mode="multi" if cfg.loss == "sigmoid" else "single", seed=cfg.seed)
-    held = holdout_mask(shard_keys(full.shards), cfg.holdout)
-    train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode, rows=np.flatnonzero(~held), seed=cfg.seed)
-    held_ds = ShardImageDataset(full.shards, eval_transform(cfg.img_size), label_mode=full.label_mode, rows=np.flatnonzero(held), seed=cfg.seed)
+    held_out = holdout_mask(shard_keys(full.shards), cfg.holdout)
+    train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode, rows=np.flatnonzero(~held_out), seed=cfg.seed)
+    held_ds = ShardImageDataset(full.shards, eval_transform(cfg.img_size), label_mode=full.label_mode, rows=np.flatnonzero(held_out), seed=cfg.seed)
     per_worker = max(1, cfg.batch_size // world)
     steps_per_epoch = len(train_ds) // world // per_worker
     if steps_per_epoch == 0:
@@ -250,8 +250,8 @@ def train_loop_per_worker(config: dict) -> None:
             "images_per_second": seen_all / max(elapsed, 1e-9),
         }
         if held_sampler is not None and not mpp:
-            held = evaluate(trainable, DataLoader(held_ds, batch_size=per_worker, sampler=held_sampler), device, cfg.bf16)
-            metrics.update(holdout_loss=held["loss"], holdout_accuracy=held["accuracy"])
+            scores = evaluate(trainable, DataLoader(held_ds, batch_size=per_worker, sampler=held_sampler), device, cfg.bf16)
+            metrics.update(holdout_loss=scores["loss"], holdout_accuracy=scores["accuracy"])
         if rank == 0 and run_id:
             tracking.log_metrics_to(run_id, {k: v for k, v in metrics.items() if k != "step"}, step=step, uri=uri)
         with tempfile.TemporaryDirectory() as d:
