@@ -3,6 +3,7 @@ import pytest
 from PIL import Image
 
 from dedup import signatures as sig
+from dedup.calibration import DEFAULT_THRESHOLD
 from dedup.index import TestSetIndex
 from dedup.transforms import TRANSFORMS, apply
 
@@ -34,6 +35,26 @@ def test_uniform_frame_is_trimmed_before_hashing(photos):
     assert sig.hamming(sig.compute(framed), sig.compute(img)) <= 4
 
 
+@pytest.mark.parametrize("name", ["chelsea.png", "coffee.png"])
+def test_crop_that_exposes_a_flat_region_still_matches(photos, name):
+    # A flat band (sky, a wall) just inside the top edge: a 10% crop puts it on
+    # the new edge, where compute() trims it on the query side only.
+    arr = np.asarray(photos[name]).copy()
+    h, w = arr.shape[:2]
+    arr[round(0.05 * h):round(0.22 * h)] = 128
+    img = Image.fromarray(arr)
+    copy = img.crop((0, round(0.1 * h), w, h))
+    assert sig.trim_box(sig.luminance(copy))[1] > 0
+    assert sig.trim_box(sig.luminance(img))[1] == 0
+    codes = sig.to_words(sig.variant_codes(img))
+    q = sig.to_words(sig.compute(copy))[0]
+    # no crop of the trimmed image is close; the trim(crop(image)) variant is
+    assert np.bitwise_count(codes[:len(sig.CROP_VARIANTS)] ^ q).sum(axis=1).min() > DEFAULT_THRESHOLD
+    index = TestSetIndex()
+    index.add("photos", name, img)
+    assert [m.key for m in index.match(sig.content_hash(copy), sig.compute(copy))] == [name]
+
+
 @pytest.fixture(scope="module")
 def planted_index(photos):
     index = TestSetIndex()
@@ -49,7 +70,7 @@ def test_planted_duplicates_are_found_under_each_transform(planted_index, photos
         copy = apply(transform, photos[name], seed=i)
         matches = planted_index.match(sig.content_hash(copy), sig.compute(copy))
         found.append(bool(matches) and matches[0].key == name)
-    # random crops (0..10% per side) are the detector's weak spot: held-out recall 0.97
+    # random crops (0..10% per side) are the detector's weak spot: held-out recall 0.984
     assert sum(found) >= (len(PLANTED) - 2 if transform == "crop_random" else len(PLANTED)), found
 
 
