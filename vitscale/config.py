@@ -32,7 +32,8 @@ def _describe(tp: Any) -> str:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if origin in (list, tuple, Sequence):
         (inner, *_) = get_args(tp) or (str,)
-        return f"a list of {_describe(inner)}"
+        plural = {str: "strings", int: "integers", float: "numbers", bool: "booleans"}.get(inner)
+        return f"a list of {plural}" if plural else f"a list, each {_describe(inner)}"
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_describe(a) for a in get_args(tp) if a is not type(None)) + " (or null)"
     if origin is dict:
@@ -168,7 +169,6 @@ def build_parser(cls: type, *, prog: str | None = None, description: str | None 
     parser = argparse.ArgumentParser(
         prog=prog,
         description=description or (cls.__doc__ or "").strip().splitlines()[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of field: value; flags override it")
     for name, (f, tp) in _fields(cls).items():
@@ -177,7 +177,10 @@ def build_parser(cls: type, *, prog: str | None = None, description: str | None 
         default = f.default if f.default is not dataclasses.MISSING else (
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None
         )
-        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": f"{help_text} [{_describe(tp)}; default: {default!r}]"}
+        required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        shown = "required" if required else f"default: {default!r}"
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                                  "help": f"{help_text} [{_describe(tp)}; {shown}]".replace("%", "%%")}
         if get_origin(tp) in (list, tuple):
             kwargs["action"] = "append"
             kwargs["metavar"] = name.upper().rstrip("S") if name.endswith("s") else name.upper()

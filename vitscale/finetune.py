@@ -42,7 +42,7 @@ class FinetuneConfig:
     lrs: list[float] = field(default_factory=lambda: list(PAPER_LR_GRID), metadata={"help": "SGD learning rates to try"})
     steps: int = field(default=500, metadata={"help": "SGD steps per trial"})
     batch_size: int = field(default=512, metadata={"help": "batch size per trial"})
-    warmup_steps: int = field(default=500, metadata={"help": "linear warm-up steps; capped at 10%% of the steps"})
+    warmup_steps: int = field(default=500, metadata={"help": "linear warm-up steps; capped at 10% of the steps"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
     crop_min_area: float = field(default=0.05, metadata={"help": "Inception-crop minimum area (1.0: no crop)"})
     flip: bool = field(default=True, metadata={"help": "random horizontal flips (off where a flip changes the label)"})

@@ -50,7 +50,7 @@ class PretrainConfig:
     batch_size: int = field(default=256, metadata={"help": "global batch size, split across workers"})
     lr: float = field(default=1e-3, metadata={"help": "peak Adam learning rate"})
     weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay (paper: 0.1)"})
-    warmup_steps: int = field(default=10_000, metadata={"help": "linear warm-up steps; capped at 10%% of training"})
+    warmup_steps: int = field(default=10_000, metadata={"help": "linear warm-up steps; capped at 10% of training"})
     schedule: Literal["linear", "cosine"] = field(default="linear", metadata={"help": "decay after warm-up"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
     dropout: float = field(default=0.1, metadata={"help": "dropout after dense layers (Appendix B.1)"})
