@@ -9,6 +9,22 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def _no_tracking_uri_leaks():
+    """Undo the ``MLFLOW_TRACKING_URI`` that ``mlflow.set_tracking_uri`` exports to os.environ.
+
+    MLflow sets it so that subprocesses inherit the store; inside one pytest process it would
+    send every later test's runs to the first store a test used, whatever that test's
+    ``VITSCALE_HOME`` says.
+    """
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Ray started once, in-process, for every test that needs it (starting Ray costs seconds).

@@ -35,13 +35,30 @@ def ui_command(uri: str | None = None) -> str:
     return f".venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
 
 
+def _use(uri: str) -> None:
+    """``mlflow.set_tracking_uri(uri)`` without its side effect on ``os.environ``.
+
+    MLflow also exports the URI as ``MLFLOW_TRACKING_URI``; :func:`tracking_uri` would then
+    read its own echo and ignore a later change of ``VITSCALE_HOME`` in the same process.
+    Workers get the URI passed explicitly, so nothing relies on the export.
+    """
+    import mlflow
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    mlflow.set_tracking_uri(uri)
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 def _setup(experiment: str):
     import mlflow
 
     uri = tracking_uri()
     if uri.startswith("sqlite:///"):
         Path(uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    mlflow.set_tracking_uri(uri)
+    _use(uri)
     client = mlflow.MlflowClient(uri)
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -168,7 +185,7 @@ def log_text(text: str, artifact_file: str) -> None:
 def get_run(run_id: str):
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri())
+    _use(tracking_uri())
     return mlflow.MlflowClient(tracking_uri()).get_run(run_id)
 
 

@@ -1,4 +1,6 @@
 """The one MLflow helper: a real sqlite store, explicit nesting, worker-side logging."""
+import os
+
 import mlflow
 
 from vitscale import tracking
@@ -41,3 +43,19 @@ def test_stray_mlflow_run_id_does_not_reparent(mlflow_store, monkeypatch):
     with tracking.start_run("fresh") as fresh:
         pass
     assert fresh.info.run_id != other.info.run_id
+
+
+def test_a_later_vitscale_home_is_honoured_in_the_same_process(mlflow_store, monkeypatch, tmp_path):
+    # mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI; the helper must not then read its own echo.
+    with tracking.start_run("first") as first:
+        pass
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "elsewhere"))
+    with tracking.start_run("second") as second:
+        pass
+    assert (tmp_path / "elsewhere" / "mlflow.db").exists()
+    assert mlflow.MlflowClient(tracking.tracking_uri()).get_run(second.info.run_id).info.run_name
+    assert [r.info.run_id for r in mlflow.MlflowClient(tracking.default_tracking_uri()).search_runs(
+        [e.experiment_id for e in mlflow.MlflowClient(tracking.default_tracking_uri()).search_experiments()])] == [
+        second.info.run_id]
+    assert first.info.run_id != second.info.run_id
