@@ -7,9 +7,9 @@ Both baselines run in the same process on the same in-memory JPEG bytes:
 * decode-only at reduced scale: ``open -> draft(target) -> load -> RGB``, the
   practical ceiling of any Pillow-based path (issue 3 asks for 0.8 of it).
 
-The project path is :func:`pipelines.process.resize` + :func:`encode` after
-:func:`pipelines.decode.decode_image` with the DCT-draft target; the full
-per-item cost (plus content hash and perceptual signature) is reported too.
+The project path is :func:`pipelines.decode.decode_image` with the DCT-draft
+target, then :func:`pipelines.process.resize_encode`; the full per-item cost
+(plus content hash and perceptual signature) is reported too.
 One process, timed in CPU seconds (``time.process_time``), so the figures are
 per core. Loops are interleaved and repeated, and the best repeat counts,
 because the machine may be shared.
@@ -38,7 +38,7 @@ import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from pipelines.decode import decode_image  # noqa: E402
-from pipelines.process import ProcessOptions, encode, process_item, resize, target_size  # noqa: E402
+from pipelines.process import ProcessOptions, process_item, resize_encode, target_size  # noqa: E402
 from pipelines.sources import SourceItem  # noqa: E402
 
 
@@ -83,9 +83,9 @@ def decode_only(data: bytes, size: int) -> Image.Image:
     return img.convert("RGB") if img.mode != "RGB" else img
 
 
-def project(data: bytes, size: int) -> bytes:
-    img = decode_image(data, uri="bench", draft_short_side=size)
-    return encode(resize(img, size), "jpeg", 90)[0]
+def project(data: bytes, opts: ProcessOptions) -> bytes:
+    img = decode_image(data, uri="bench", draft_short_side=opts.size)
+    return resize_encode(img, opts)[0]
 
 
 def full_item(data: bytes, size: int, opts: ProcessOptions) -> dict:
@@ -104,7 +104,7 @@ def time_loop(fn, datas: list[bytes]) -> float:
 def bench(datas: list[bytes], size: int, repeats: int) -> dict:
     opts = ProcessOptions(size=size, max_megapixels=1000)
     loops = {
-        "project": lambda d: project(d, size),
+        "project": lambda d: project(d, opts),
         "naive": lambda d: naive(d, size),
         "decode_only": lambda d: decode_only(d, size),
         "full_item": lambda d: full_item(d, size, opts),
