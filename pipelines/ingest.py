@@ -2,10 +2,15 @@
 
 Graph (every arrow is a PCollection)::
 
-    units --read--> items --process--> records ----test sets----> kept --corpus dedup--> unique --> shards
-                      |  (dead letter)    | rejected (dead letter)     | duplicates          | duplicates
+    units --read--> items --process--> records ----test sets----> kept --shuffle by content--> shards
+                      |  (dead letter)    | rejected (dead letter)     | duplicates          | corpus duplicates
                       +---------------->  quarantine  <----------------+                     |
                                                        duplicates.jsonl <--------------------+
+
+The image bytes cross one shuffle only. A row's shard is a stable hash of its
+content hash, so exact copies of one image meet in the same shard group, and
+the shard writer keeps one of them (the smallest key) while writing; a
+separate group-by-content step would shuffle the whole corpus a second time.
 
 Counts are reconciled from the pipeline's outputs (quarantine rows, duplicate
 rows, shard row counts) against an independent count of the items read, never
@@ -19,9 +24,9 @@ when a run starts, written last) is what makes a shard set visible to
 half-written file under a shard name; the next run removes its leftovers.
 
 Sharding is deterministic without a global sort: the number of shards is the
-total encoded size over ``shard_mb``, a row's shard is a stable hash of its key
-(keys are already uniform hashes of the source uri), and rows are sorted by key
-inside each shard. The same inputs therefore give byte-identical shards.
+total encoded size over ``shard_mb``, a row's shard is a stable hash of its
+content hash (a uniform hash already), and rows are sorted by key inside each
+shard. The same inputs therefore give byte-identical shards.
 """
 from __future__ import annotations
 
@@ -154,31 +159,42 @@ def _match_test_sets(record: dict, index) -> dict:
     }
 
 
-def _pick_unique(group) -> Iterator[dict]:
-    _, records = group
-    records = sorted(records, key=lambda r: r["key"])
-    keep = records[0]
-    yield keep
-    for r in records[1:]:
-        yield {"_t": "duplicate", "key": r["key"], "uri": r["uri"], "cause": "corpus", "duplicate_of": keep["key"]}
+def _pick_unique(records: Iterable[dict]) -> tuple[list[dict], list[dict]]:
+    """(kept, duplicate rows): one record per content hash, the one with the smallest key."""
+    by_hash: dict[str, list[dict]] = {}
+    for r in records:
+        by_hash.setdefault(r["content_hash"], []).append(r)
+    kept, dups = [], []
+    for copies in by_hash.values():
+        copies.sort(key=lambda r: r["key"])
+        keep = copies[0]
+        kept.append(keep)
+        dups += [{"_t": "duplicate", "key": r["key"], "uri": r["uri"], "cause": "corpus", "duplicate_of": keep["key"]}
+                 for r in copies[1:]]
+    return kept, dups
 
 
 def _num_shards(total_bytes: int, shard_bytes: float) -> int:
     return max(1, math.ceil(total_bytes / shard_bytes))
 
 
-def shard_of(key: str, num_shards: int) -> int:
-    return int(key[:8], 16) % num_shards
+def shard_of(content_hash: str, num_shards: int) -> int:
+    """The shard of a record: by content, so exact duplicates meet in one shard group."""
+    return int(content_hash[:8], 16) % num_shards
 
 
-def _write_shard(group, out_url: str, label_map: Mapping[str, int]) -> dict:
-    """Write one shard atomically; returns its manifest entry."""
+def _write_shard(group, out_url: str, label_map: Mapping[str, int]) -> Iterator[dict]:
+    """Write one shard atomically, keeping one record per content hash.
+
+    Yields the shard's manifest entry, then a duplicate row for each record dropped.
+    """
     import pyarrow as pa
     from apache_beam.metrics import Metrics
 
     index, records = group
+    kept, dups = _pick_unique(records)
     rows = []
-    for r in sorted(records, key=lambda r: r["key"]):
+    for r in sorted(kept, key=lambda r: r["key"]):
         rows.append({
             schema.KEY: r["key"], schema.IMAGE: r["image"], schema.FORMAT: r["format"],
             schema.HEIGHT: r["height"], schema.WIDTH: r["width"],
@@ -193,8 +209,9 @@ def _write_shard(group, out_url: str, label_map: Mapping[str, int]) -> dict:
     atomic_write(fs, f"{root}/{name}", data)
     Metrics.counter(NAMESPACE, "written").inc(len(rows))
     Metrics.counter(NAMESPACE, "bytes_written").inc(len(data))
-    return {"_t": "shard", "path": name, "rows": len(rows), "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest()}
+    yield {"_t": "shard", "path": name, "rows": len(rows), "bytes": len(data),
+           "sha256": hashlib.sha256(data).hexdigest()}
+    yield from dups
 
 
 def _write_outputs(rows: list[dict], url: str) -> None:
@@ -248,38 +265,33 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         records = split[0]
         dup_parts.append(split[1])
 
-    deduped = (
-        records
-        | "ByContent" >> beam.Map(lambda r: (r["content_hash"], r))
-        | "GroupContent" >> beam.GroupByKey()
-        | "PickUnique" >> beam.FlatMap(_pick_unique)
-    )
-    split = deduped | "SplitCorpusDups" >> beam.Partition(lambda r, n: 0 if r["_t"] == "record" else 1, 2)
-    unique = split[0]
-    dup_parts.append(split[1])
-
     if label_map is not None:
         labels_pc = p | "GivenLabels" >> beam.Create([dict(label_map)])
     else:
+        # Names from every record that reaches the shards, dropped corpus duplicates included:
+        # the label map must exist before the shard writers run.
         labels_pc = (
-            unique
+            records
             | "LabelNames" >> beam.FlatMap(lambda r: r["labels"])
             | "DistinctLabels" >> beam.Distinct()
             | "SortLabels" >> beam.combiners.ToList()
             | "LabelIds" >> beam.Map(lambda names: {n: i for i, n in enumerate(sorted(names))})
         )
     num_shards = (
-        unique
+        records
         | "RowBytes" >> beam.Map(lambda r: len(r["image"]) + _ROW_OVERHEAD)
         | "TotalBytes" >> beam.CombineGlobally(sum)
         | "NumShards" >> beam.Map(_num_shards, shard_bytes)
     )
-    shards = (
-        unique
-        | "AssignShard" >> beam.Map(lambda r, n: (shard_of(r["key"], n), r), AsSingleton(num_shards))
+    written = (
+        records
+        | "AssignShard" >> beam.Map(lambda r, n: (shard_of(r["content_hash"], n), r), AsSingleton(num_shards))
         | "GroupShard" >> beam.GroupByKey()
-        | "WriteShard" >> beam.Map(_write_shard, out_url, AsSingleton(labels_pc))
+        | "WriteShard" >> beam.FlatMap(_write_shard, out_url, AsSingleton(labels_pc))
     )
+    split = written | "SplitCorpusDups" >> beam.Partition(lambda r, n: 0 if r["_t"] == "shard" else 1, 2)
+    shards = split[0]
+    dup_parts.append(split[1])
 
     all_rejected = (rejected, unit_errors, item_errors) | "AllRejected" >> beam.Flatten() | "CountRejected" >> beam.Map(_count("rejected"))
     all_dups = tuple(dup_parts) | "AllDuplicates" >> beam.Flatten() | "CountDuplicates" >> beam.Map(_count("duplicates"))

@@ -358,3 +358,26 @@ def test_isolated_decoder_gives_the_same_shards(tmp_path, photos, prepare):
     isolated = prepare(input=[str(src)], output=str(tmp_path / "b"), size=32, isolate_decoder=True)
     assert isolated["shards"] == plain["shards"] and isolated["counts"] == plain["counts"]
     assert plain["counts"]["rejected"] == {"corrupt": 1}
+
+
+def test_exact_copies_are_removed_across_many_shards_and_workers(tmp_path, photos, prepare):
+    # Lossless copies in three formats and three class folders: identical decoded pixels, different
+    # keys. Rows are sharded by content, so each image's copies meet in one shard writer.
+    src = tmp_path / "copies"
+    names = ["astronaut", "chelsea", "coffee", "rocket", "china", "flower"]
+    for n in names:
+        for cls, fmt in (("a", "PNG"), ("b", "BMP"), ("c", "TIFF")):
+            _write(src / cls / f"{n}.{fmt.lower()}", _enc(photos[n].convert("RGB"), fmt))
+    manifest = prepare(input=[str(src)], output=str(tmp_path / "o"), size=48, shard_mb=0.004, workers=2)
+    c = manifest["counts"]
+    assert len(manifest["shards"]) > 1
+    assert c["inputs"] == 18 and c["written"] == 6 and c["duplicates"] == {"corpus": 12}
+    rows = _rows(tmp_path / "o")
+    assert len({r["content_hash"] for r in rows}) == 6
+    keys = {r["key"] for r in rows}
+    dups = _jsonl(tmp_path / "o" / "duplicates.jsonl")
+    assert len(dups) == 12 and all(d["duplicate_of"] in keys and d["key"] not in keys for d in dups)
+    by_content = {}
+    for d in dups:
+        by_content.setdefault(d["duplicate_of"], []).append(d["key"])
+    assert all(len(v) == 2 and min(v) > kept for kept, v in by_content.items())  # the smallest key is kept
