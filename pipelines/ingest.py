@@ -30,6 +30,7 @@ shard. The same inputs therefore give byte-identical shards.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -68,19 +69,61 @@ def _fs(url: str):
     return fs, path.rstrip("/")
 
 
-def atomic_write(fs, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` under a temporary name, then rename: readers never see a partial file."""
+@contextlib.contextmanager
+def atomic_open(fs, path: str) -> Iterator[Any]:
+    """A binary file that appears at ``path`` only once it is completely written and closed.
+
+    It is written under a temporary name and renamed (after an fsync on local disks); if the
+    block raises, the temporary file is removed and ``path`` is untouched.
+    """
     tmp = f"{path}{schema.TMP_MARKER}{uuid.uuid4().hex}"
-    if type(fs).__name__ == "LocalFileSystem":
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+    local = type(fs).__name__ == "LocalFileSystem"
+    try:
+        with (open(tmp, "wb") if local else fs.open(tmp, "wb")) as f:
+            yield f
+            if local:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        try:
+            os.remove(tmp) if local else fs.rm(tmp)
+        except OSError:
+            pass
+        raise
+    if local:
         os.replace(tmp, path)
     else:
-        with fs.open(tmp, "wb") as f:
-            f.write(data)
         fs.mv(tmp, path)
+
+
+def atomic_write(fs, path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` under a temporary name, then rename: readers never see a partial file."""
+    with atomic_open(fs, path) as f:
+        f.write(data)
+
+
+class _Digest:
+    """A write-only file that passes bytes on and keeps their sha256 and count."""
+
+    def __init__(self, f):
+        self._f, self.sha256, self.size, self.closed = f, hashlib.sha256(), 0, False
+
+    def write(self, data) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._f.write(data)
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def close(self) -> None:  # the IPC writer closes its sink; the real file is closed by atomic_open
+        self.closed = True
 
 
 def _jsonl(rows: Iterable[Mapping[str, Any]]) -> bytes:
@@ -189,28 +232,30 @@ def _write_shard(group, out_url: str, label_map: Mapping[str, int]) -> Iterator[
     Yields the shard's manifest entry, then a duplicate row for each record dropped.
     """
     import pyarrow as pa
+    import pyarrow.ipc as ipc
     from apache_beam.metrics import Metrics
 
     index, records = group
     kept, dups = _pick_unique(records)
-    rows = []
-    for r in sorted(kept, key=lambda r: r["key"]):
-        rows.append({
-            schema.KEY: r["key"], schema.IMAGE: r["image"], schema.FORMAT: r["format"],
-            schema.HEIGHT: r["height"], schema.WIDTH: r["width"],
-            schema.LABELS: sorted({label_map[name] for name in r["labels"]}),
-            schema.SOURCE: r["uri"], schema.CONTENT_HASH: r["content_hash"], schema.PHASH: r["phash"],
-        })
-    sink = pa.BufferOutputStream()
-    schema.write_table(schema.records_to_table(rows), sink)
-    data = sink.getvalue().to_pybytes()
+    kept.sort(key=lambda r: r["key"])
     name = schema.shard_name(index)
     fs, root = _fs(out_url)
-    atomic_write(fs, f"{root}/{name}", data)
-    Metrics.counter(NAMESPACE, "written").inc(len(rows))
-    Metrics.counter(NAMESPACE, "bytes_written").inc(len(data))
-    yield {"_t": "shard", "path": name, "rows": len(rows), "bytes": len(data),
-           "sha256": hashlib.sha256(data).hexdigest()}
+    # Streamed in batches: besides the grouped records themselves, only one batch of
+    # rows is ever held as Arrow arrays, and the file's bytes are never held whole.
+    with atomic_open(fs, f"{root}/{name}") as f:
+        sink = _Digest(f)
+        with ipc.new_file(pa.PythonFile(sink, mode="w"), schema.SCHEMA) as writer:
+            for start in range(0, len(kept), schema.BATCH_ROWS):
+                rows = [{
+                    schema.KEY: r["key"], schema.IMAGE: r["image"], schema.FORMAT: r["format"],
+                    schema.HEIGHT: r["height"], schema.WIDTH: r["width"],
+                    schema.LABELS: sorted({label_map[label] for label in r["labels"]}),
+                    schema.SOURCE: r["uri"], schema.CONTENT_HASH: r["content_hash"], schema.PHASH: r["phash"],
+                } for r in kept[start:start + schema.BATCH_ROWS]]
+                writer.write_table(schema.records_to_table(rows))
+    Metrics.counter(NAMESPACE, "written").inc(len(kept))
+    Metrics.counter(NAMESPACE, "bytes_written").inc(sink.size)
+    yield {"_t": "shard", "path": name, "rows": len(kept), "bytes": sink.size, "sha256": sink.sha256.hexdigest()}
     yield from dups
 
 
