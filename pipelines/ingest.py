@@ -382,7 +382,23 @@ def _inside(child: str, parent: str) -> bool:
     return c == p or c.startswith(p.rstrip("/") + "/")
 
 
+def _check_process_local(cfg: PrepareConfig) -> None:
+    """``memory://`` lives in one process: Beam workers elsewhere would read and write empty copies.
+
+    Test sets may stay there: their index is built here, in the driver, and shipped to the workers.
+    """
+    if cfg.runner in ("DirectRunner", "direct") and cfg.workers == 1:
+        return  # the in-memory runner: every step runs in this process
+    for what, url in [("output", cfg.output), *(("input", u) for u in cfg.input)]:
+        if str(url).startswith("memory://"):
+            raise PrepareError(
+                f"{what} {url}: memory:// exists only inside this process, but the {cfg.runner} with "
+                f"--workers {cfg.workers} runs the work in other processes; use --workers 1 or a shared filesystem"
+            )
+
+
 def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
+    _check_process_local(cfg)
     for src in cfg.input:
         if _inside(cfg.output, src):
             raise PrepareError(

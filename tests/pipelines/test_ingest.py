@@ -322,6 +322,20 @@ def test_memory_filesystem_input_and_output(photos, prepare):
     assert {Path(ss[i]["source"]).name for i in range(len(ss))} == {"astronaut.png", "chelsea.png"}
 
 
+def test_memory_filesystem_with_worker_processes_is_refused_up_front(photos, tmp_path):
+    import fsspec
+
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import PrepareError, run_prepare
+
+    fsspec.filesystem("memory").pipe("/memsrc2/k/a.png", _enc(photos["astronaut"], "PNG"))
+    for cfg in (PrepareConfig(input=["memory://memsrc2"], output=str(tmp_path / "o"), workers=2),
+                PrepareConfig(input=[str(tmp_path)], output="memory://memout2", workers=2)):
+        with pytest.raises(PrepareError, match="memory:// exists only inside this process.*--workers 1"):
+            run_prepare(cfg)
+    assert not (tmp_path / "o").exists()
+
+
 # -- test-set de-duplication (paper Sec. 4.1) --------------------------------------------------
 
 def test_planted_copies_of_test_images_are_dropped(tmp_path, photos, prepare):
