@@ -118,13 +118,6 @@ def records_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=SCHEMA)
 
 
-def write_table(table: pa.Table, sink) -> None:
-    """Write ``table`` as an Arrow IPC file in batches of :data:`BATCH_ROWS` rows."""
-    with ipc.new_file(sink, SCHEMA) as writer:
-        for batch in table.to_batches(max_chunksize=BATCH_ROWS):
-            writer.write_batch(batch)
-
-
 def read_removed(directory: str | os.PathLike, fs=None) -> frozenset[str]:
     """Keys listed in ``DIR/removed.jsonl`` (empty if the file is absent)."""
     fs, root = _fs(directory, fs)
