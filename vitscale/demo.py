@@ -6,15 +6,17 @@ and every stage is an MLflow run nested under one ``demo`` run.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 from dataclasses import field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from vitscale.config import check
 
@@ -49,13 +51,39 @@ class DemoConfig:
         check(len(self.lrs) > 0, "lrs", "give at least one learning rate")
 
 
-def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_sets: list[str], verbose: bool) -> dict:
+@contextlib.contextmanager
+def _stderr_to(log: Path | None) -> Iterator[None]:
+    """Send file descriptor 2 to ``log`` for the duration, subprocesses included.
+
+    Beam's DirectRunner starts its workers as subprocesses that inherit stderr and print
+    their start-up warnings there (optional filesystems not installed, unparsed options).
+    They are harmless, and the quiet demo keeps them in a log file instead of the console.
+    """
+    if log is None:
+        yield
+        return
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(log, "ab") as f:
+            os.dup2(f.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_sets: list[str], verbose: bool,
+             log: Path) -> dict:
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
 
     options = [] if verbose else ["--default_sdk_harness_log_level=WARNING"]
-    return run_prepare(PrepareConfig(input=inputs, output=str(output), size=size, workers=workers,
-                                     test_set=test_sets, beam_options=options))
+    with _stderr_to(None if verbose or workers == 1 else log):
+        return run_prepare(PrepareConfig(input=inputs, output=str(output), size=size, workers=workers,
+                                         test_set=test_sets, beam_options=options))
 
 
 def _stage(n: int, text: str) -> None:
@@ -71,6 +99,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     if not cfg.verbose:
         logging.getLogger().setLevel(logging.WARNING)
         logging.getLogger("apache_beam").setLevel(logging.WARNING)
+        # The runner relays each worker's start-up warnings as its own.
+        logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
     init_ray(log_to_driver=cfg.verbose)
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -91,13 +121,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             timings["data"] = time.perf_counter() - t
 
             _stage(2, "Beam ingest: corpus (de-duplicated against digits test), digits train, digits test")
+            beam_log = work / "logs" / "beam-workers.log"
             t = time.perf_counter()
             corpus = _prepare([str(data.corpus)], work / "shards" / "corpus", size=cfg.shard_size,
-                              workers=cfg.prepare_workers, test_sets=[f"digits_test={data.test}"], verbose=cfg.verbose)
+                              workers=cfg.prepare_workers, test_sets=[f"digits_test={data.test}"], verbose=cfg.verbose,
+                              log=beam_log)
             train = _prepare([str(data.train)], work / "shards" / "digits-train", size=cfg.shard_size,
-                             workers=1, test_sets=[], verbose=cfg.verbose)
+                             workers=1, test_sets=[], verbose=cfg.verbose, log=beam_log)
             test = _prepare([str(data.test)], work / "shards" / "digits-test", size=cfg.shard_size,
-                            workers=1, test_sets=[], verbose=cfg.verbose)
+                            workers=1, test_sets=[], verbose=cfg.verbose, log=beam_log)
             timings["prepare"] = time.perf_counter() - t
 
             _stage(3, f"Ray Train: pre-training {cfg.variant} (depth {cfg.depth}) on {cfg.num_workers} workers")
