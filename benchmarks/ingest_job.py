@@ -1,0 +1,139 @@
+"""Whole-job ingest throughput: ``jobs/prepare.py`` on a folder of 2 MP photos, against a process pool.
+
+``benchmarks/ingest.py`` measures the per-image path on one core. This one measures what a
+user waits for: the Beam job (DirectRunner, one worker process per core) reading files,
+decoding, validating, hashing, signing, resizing, encoding, de-duplicating and writing Arrow
+shards and a manifest. The baseline is the hand-written alternative, run in the same
+process on the same files: a ``multiprocessing.Pool`` of as many processes, each reading a
+file, ``Image.open -> convert('RGB') -> resize(BICUBIC)`` and encoding JPEG at the same
+quality, with no validation, de-duplication or shard writing.
+
+Every photo is distinct (different grain), so nothing is dropped as a duplicate. The job
+has a fixed start-up cost (interpreter, Beam, worker processes, MLflow) of several seconds,
+so it runs twice, on a quarter of the photos and on all of them, after a one-image warm-up
+run: ``job_img_s_marginal`` is the rate the extra photos were processed at, which is what a
+large corpus sees, and ``job_startup_s`` is what is left of the small run's time.
+
+    python benchmarks/ingest_job.py [--n 400] [--megapixels 2] [--workers N]
+
+The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import numpy as np  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from ingest import _sources  # noqa: E402
+from pipelines.process import target_size  # noqa: E402
+
+
+def write_photos(folder: Path, n: int, megapixels: float) -> list[Path]:
+    """``n`` distinct camera-like JPEGs: real photographs enlarged, each with its own grain."""
+    rng = np.random.default_rng(0)
+    bases = []
+    for src in _sources():
+        aspect = src.width / src.height
+        h = int(round((megapixels * 1e6 / aspect) ** 0.5))
+        bases.append(np.asarray(src.resize((int(round(h * aspect)), h), Image.Resampling.BICUBIC), np.float32))
+    paths = []
+    for i in range(n):
+        base = bases[i % len(bases)]
+        grain = rng.normal(0, 6, (*base.shape[:2], 1)).astype(np.float32)
+        path = folder / f"class{i % 10}" / f"{i:05d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.clip(base + grain, 0, 255).astype(np.uint8)).save(path, "JPEG", quality=92)
+        paths.append(path)
+    return paths
+
+
+def naive_file(path: str, size: int = 384, quality: int = 90) -> int:
+    img = Image.open(path).convert("RGB")
+    img = img.resize(target_size(img.width, img.height, size, None, False), Image.Resampling.BICUBIC)
+    buf = io.BytesIO()
+    img.save(buf, "JPEG", quality=quality)
+    return len(buf.getvalue())
+
+
+def run_job(inputs: Path, output: Path, workers: int, home: Path) -> float:
+    env = dict(os.environ, VITSCALE_HOME=str(home), OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, str(REPO / "jobs" / "prepare.py"), "--input", str(inputs), "--output", str(output),
+           "--workers", str(workers)]
+    t = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    if done.returncode:
+        raise SystemExit(f"prepare failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=400, help="photos")
+    ap.add_argument("--megapixels", type=float, default=2.0)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="vitscale-ingest-job-") as tmp:
+        tmp = Path(tmp)
+        paths = write_photos(tmp / "photos", args.n, args.megapixels)
+        one = tmp / "one" / "c"
+        one.mkdir(parents=True)
+        (one / "x.jpg").write_bytes(paths[0].read_bytes())
+
+        run_job(tmp / "one", tmp / "out-one", args.workers, tmp / "mlruns")  # warm-up: imports, page cache
+        quarter = tmp / "quarter"
+        for p in paths[: args.n // 4]:
+            (quarter / p.parent.name).mkdir(parents=True, exist_ok=True)
+            (quarter / p.parent.name / p.name).symlink_to(p)
+        small = run_job(quarter, tmp / "out-quarter", args.workers, tmp / "mlruns")
+        job = run_job(tmp / "photos", tmp / "out", args.workers, tmp / "mlruns")
+        manifest = json.loads((tmp / "out" / "manifest.json").read_text())
+        assert manifest["counts"]["written"] == args.n, manifest["counts"]
+
+        t = time.perf_counter()
+        with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
+            pool.map(naive_file, [str(p) for p in paths[: args.workers]])  # start the processes first
+            t = time.perf_counter()
+            pool.map(naive_file, [str(p) for p in paths], chunksize=4)
+        pool_wall = time.perf_counter() - t
+
+    extra = args.n - args.n // 4
+    marginal = extra / max(job - small, 1e-9)
+    result = {
+        "benchmark": "ingest_job",
+        "figure": "job_img_s_marginal",
+        "baseline": "pool_img_s",
+        "photos": args.n,
+        "megapixels": args.megapixels,
+        "workers": args.workers,
+        "job_wall_s": round(job, 2),
+        "job_img_s": round(args.n / job, 1),
+        "job_img_s_marginal": round(marginal, 1),
+        "job_startup_s": round(small - (args.n // 4) / marginal, 2),
+        "pool_img_s": round(args.n / pool_wall, 1),
+        "marginal_vs_pool": round(marginal * pool_wall / args.n, 2),
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "python": platform.python_version()},
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
