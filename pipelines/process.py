@@ -12,7 +12,6 @@ import warnings
 from typing import Any, Mapping
 
 import numpy as np
-import pyarrow as pa
 from PIL import Image
 
 from pipelines.decode import BadImage, decode_image, rgbx_view
