@@ -207,6 +207,8 @@ def _decode_jpeg_turbo(data: bytes, width: int, height: int, denom: int) -> Imag
     if simplejpeg is None:
         return None
     out_w, out_h = -(-width // denom), -(-height // denom)
+    if out_w * out_h * 4 > Image.core.get_block_size():
+        return None  # Pillow would split it over several memory blocks, which cannot be filled as one
     img = Image.new("RGB", (out_w, out_h), None)  # None: not initialised; the decoder fills every pixel
     view = rgbx_view(img, writable=True)
     if view is None:

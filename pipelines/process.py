@@ -123,7 +123,7 @@ def _resize_pixels(pixels: np.ndarray, new: tuple[int, int]) -> np.ndarray:
     same thread. Writing into a preallocated channels-last tensor lets torch's uint8 AVX2
     kernel store pixels in their final interleaved order; a fresh result would come back
     channel-planar and need a transposing copy, and its first touch costs page faults
-    (together about 0.5 ms of a 0.65 ms resize at 2 MP).
+    (at 2 MP, resize plus copy took 1.1 ms this way and take 0.58 ms here).
     """
     import torch
     import torch.nn.functional as F
