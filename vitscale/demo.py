@@ -101,6 +101,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         logging.getLogger("apache_beam").setLevel(logging.WARNING)
         # The runner relays each worker's start-up warnings as its own.
         logging.getLogger("apache_beam.runners.portability.local_job_service").setLevel(logging.ERROR)
+        import mlflow  # noqa: F401  (it sets its loggers to INFO when imported; quieten them after)
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
     init_ray(log_to_driver=cfg.verbose)
     work = Path(cfg.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
