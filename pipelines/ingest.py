@@ -86,7 +86,10 @@ def atomic_open(fs, path: str) -> Iterator[Any]:
                 os.fsync(f.fileno())
     except BaseException:
         try:
-            os.remove(tmp) if local else fs.rm(tmp)
+            if local:
+                os.remove(tmp)
+            else:
+                fs.rm(tmp)
         except OSError:
             pass
         raise

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,6 +26,33 @@ def _no_tracking_uri_leaks():
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_process_group(proc: subprocess.Popen) -> None:
+    """Stop a server started with ``start_new_session=True``, children included: TERM, then KILL."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """``free_port()`` -> a TCP port on 127.0.0.1 that nothing listens on now."""
+    return _free_port
+
+
+@pytest.fixture(scope="session")
+def stop_process_group():
+    """``stop_process_group(proc)`` for the local servers (Ray head, MLflow) a test starts."""
+    return _stop_process_group
 
 
 @pytest.fixture(scope="session")

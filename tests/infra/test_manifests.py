@@ -10,8 +10,6 @@ import functools
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -281,15 +279,9 @@ def test_readme_links_every_infra_directory():
         assert f"]({sub}" in readme, f"infra/README.md does not link {sub}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_mlflow_server_script_local_mode_serves_the_jobs_store(tmp_path):
+def test_mlflow_server_script_local_mode_serves_the_jobs_store(tmp_path, free_port, stop_process_group):
     """server.sh local: bound to loopback, and what a job logs through it lands in $VITSCALE_HOME."""
-    home, port = tmp_path / "home", _free_port()
+    home, port = tmp_path / "home", free_port()
     env = dict(os.environ, VITSCALE_HOME=str(home), MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"))
     env.pop("MLFLOW_TRACKING_URI", None)
     dry = subprocess.run([str(INFRA / "mlflow" / "server.sh"), "local", "--port", str(port), "--dry-run"],
@@ -319,11 +311,7 @@ def test_mlflow_server_script_local_mode_serves_the_jobs_store(tmp_path):
         assert client.returncode == 0, client.stderr[-3000:]
         run_id = client.stdout.strip().splitlines()[-1]
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)
     import mlflow
 
     run = mlflow.MlflowClient(f"sqlite:///{home}/mlflow.db").get_run(run_id)

@@ -3,7 +3,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,19 +43,13 @@ def test_usage_errors_exit_2_and_name_the_problem(name, args, message):
     assert "Traceback" not in out.stderr
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
-def ray_head(tmp_path):
+def ray_head(tmp_path, free_port, stop_process_group):
     """A separate `ray start --head` cluster on loopback, torn down by its process group.
 
     (`ray stop` would also kill the suite's own in-process Ray.)
     """
-    port, dash = _free_port(), _free_port()
+    port, dash = free_port(), free_port()
     bin_dir = Path(sys.executable).parent
     # `ray start --head` turns on token auth; clients then need RAY_AUTH_MODE=token and the token.
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RAY_AUTH_MODE="token")
@@ -66,8 +59,8 @@ def ray_head(tmp_path):
     # Short path: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
     temp = Path(tempfile.mkdtemp(prefix="rh", dir="/tmp"))
     # Every agent port explicitly: the suite's in-process Ray already holds the defaults.
-    agent_ports = [f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
-                   f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"]
+    agent_ports = [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+                   f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}"]
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
@@ -93,11 +86,7 @@ def ray_head(tmp_path):
     try:
         yield address, env
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_process_group(proc)
         shutil.rmtree(temp, ignore_errors=True)
 
 

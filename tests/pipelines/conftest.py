@@ -73,6 +73,12 @@ def wr():
     return write
 
 
+@pytest.fixture(scope="session")
+def noisy_copies():
+    """``noisy_copies(root, photos, n, ...)``: see :func:`write_noisy_copies`."""
+    return write_noisy_copies
+
+
 def run_prepare_cfg(**kwargs):
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
@@ -85,6 +91,21 @@ def run_prepare_cfg(**kwargs):
 def prepare():
     """``prepare(input=[...], output=..., **cfg)`` -> manifest, through the real pipeline."""
     return run_prepare_cfg
+
+
+def write_noisy_copies(root: Path, photos: dict[str, Image.Image], n: int, *, classes: int, class_prefix: str,
+                       spread: int, seed: int, size: tuple[int, int] | None = None) -> Path:
+    """``n`` distinct PNGs under ``root/<class_prefix><i % classes>/``: the photos in turn, with uniform noise."""
+    rng = np.random.default_rng(seed)
+    names = sorted(photos)
+    for i in range(n):
+        img = photos[names[i % len(names)]].convert("RGB")
+        base = np.asarray(img.resize(size) if size else img, np.int16)
+        arr = np.clip(base + rng.integers(-spread, spread, base.shape), 0, 255).astype(np.uint8)
+        path = root / f"{class_prefix}{i % classes}" / f"{i:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(arr).save(path, "PNG")
+    return root
 
 
 def pixels(img: Image.Image) -> np.ndarray:

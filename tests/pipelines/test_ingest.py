@@ -289,15 +289,8 @@ def test_removed_keys_are_skipped_by_the_reader(tmp_path, photos, prepare):
 
 
 @pytest.fixture(scope="module")
-def many(tmp_path_factory, photos):
-    src = tmp_path_factory.mktemp("many")
-    rng = np.random.default_rng(0)
-    names = sorted(photos)
-    for i in range(36):
-        img = photos[names[i % len(names)]].convert("RGB")
-        arr = np.asarray(img).astype(np.int16) + rng.integers(-20, 20, (img.height, img.width, 3))
-        _write(src / f"class{i % 4}" / f"{i:03d}.png", _enc(Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8)), "PNG"))
-    return src
+def many(tmp_path_factory, photos, noisy_copies):
+    return noisy_copies(tmp_path_factory.mktemp("many"), photos, 36, classes=4, class_prefix="class", spread=20, seed=0)
 
 
 def test_sharding_is_deterministic_across_worker_counts(many, tmp_path, prepare):

@@ -8,10 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pyarrow.ipc as ipc
 import pytest
-from PIL import Image
 
 from pipelines.schema import ShardSet, ShardSetError
 
@@ -48,17 +46,9 @@ def test_output_inside_the_input_is_refused(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory, photos):
-    src = tmp_path_factory.mktemp("killsrc")
-    rng = np.random.default_rng(1)
-    names = sorted(photos)
-    for i in range(48):
-        base = np.asarray(photos[names[i % len(names)]].convert("RGB").resize((96, 96)), np.int16)
-        arr = np.clip(base + rng.integers(-30, 30, base.shape), 0, 255).astype(np.uint8)
-        d = src / f"c{i % 3}"
-        d.mkdir(exist_ok=True)
-        Image.fromarray(arr).save(d / f"{i:03d}.png")
-    return src
+def corpus(tmp_path_factory, photos, noisy_copies):
+    return noisy_copies(tmp_path_factory.mktemp("killsrc"), photos, 48, classes=3, class_prefix="c", spread=30, seed=1,
+                        size=(96, 96))
 
 
 def test_exits_zero_with_quarantined_items_and_prints_a_summary(tmp_path, corpus):

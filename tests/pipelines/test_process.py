@@ -1,7 +1,6 @@
 """pipelines.process: the in-place resize and encode give the bytes of the plain Pillow path, safely."""
 from __future__ import annotations
 
-import io
 import threading
 
 import numpy as np
@@ -12,12 +11,6 @@ from pipelines.decode import decode_image, rgbx_view
 from pipelines.process import ProcessOptions, encode, resize, resize_encode
 
 
-def _enc(img, fmt="JPEG", **kw):
-    buf = io.BytesIO()
-    img.save(buf, fmt, **kw)
-    return buf.getvalue()
-
-
 @pytest.mark.parametrize("size,opts", [
     ((1000, 750), {}),
     ((1000, 750), {"store": "raw"}),
@@ -26,9 +19,9 @@ def _enc(img, fmt="JPEG", **kw):
     ((300, 200), {"upscale": True}),
     ((2400, 1800), {"size": 2000}),  # decoded whole: 17 MB, more than one Pillow memory block
 ])
-def test_resize_encode_gives_the_bytes_of_resize_then_encode(photos, size, opts):
+def test_resize_encode_gives_the_bytes_of_resize_then_encode(photos, enc, size, opts):
     o = ProcessOptions(**{"size": 384, **opts})
-    img = decode_image(_enc(photos["china"].resize(size)), uri="x", draft_short_side=o.size,
+    img = decode_image(enc(photos["china"].resize(size), "JPEG"), uri="x", draft_short_side=o.size,
                        draft_max_long_side=o.max_long_side)
     data, fmt, width, height = resize_encode(img, o)
     ref = resize(img, o.size, o.max_long_side, o.upscale)
