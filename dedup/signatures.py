@@ -75,28 +75,40 @@ CROP_VARIANTS: tuple[tuple[float, float, float, float], ...] = _CROP_CORNERS + _
 
 def content_hash(img: Image.Image) -> str:
     """sha256 hex of the decoded pixels, mode and size: identical pixels <=> identical hash."""
-    header = f"{img.mode}:{img.width}x{img.height}:".encode()
-    return hashlib.sha256(header + img.tobytes()).hexdigest()
+    digest = hashlib.sha256(f"{img.mode}:{img.width}x{img.height}:".encode())
+    digest.update(img.tobytes())
+    return digest.hexdigest()
 
 
-def luminance(img: Image.Image) -> np.ndarray:
-    """float32 luminance in 0..255 of any decoded image (RGB, L, RGBA, P...)."""
+def _luminance_image(img: Image.Image) -> Image.Image:
+    """Pillow's ``L`` luminance of any decoded image, as a mode ``F`` image (exact integers 0..255)."""
     if img.mode not in ("L", "RGB"):
         img = img.convert("RGB")
     if img.mode != "L":
         img = img.convert("L")
-    return np.asarray(img, dtype=np.float32)
+    return img.convert("F")
 
 
-def trim_box(lum: np.ndarray) -> tuple[int, int, int, int]:
-    """(left, top, right, bottom) of the content inside uniform borders, in pixels of ``lum``."""
-    h, w = lum.shape
+def luminance(img: Image.Image) -> np.ndarray:
+    """float32 luminance in 0..255 of any decoded image (RGB, L, RGBA, P...)."""
+    return np.asarray(_luminance_image(img), dtype=np.float32)
+
+
+def trim_box(lum: np.ndarray | Image.Image) -> tuple[int, int, int, int]:
+    """(left, top, right, bottom) of the content inside uniform borders, in pixels of ``lum``.
+
+    ``lum`` is what :func:`luminance` returns, or the same values as a mode ``F`` image.
+    """
+    image = lum if isinstance(lum, Image.Image) else None
+    h, w = (image.height, image.width) if image is not None else lum.shape
     scale = max(h, w) / _TRIM_PROXY
     if scale > 1:
-        proxy = np.asarray(Image.fromarray(lum).resize(
+        image = image if image is not None else Image.fromarray(lum)
+        proxy = np.asarray(image.resize(
             (max(1, round(w / scale)), max(1, round(h / scale))), Image.BOX), dtype=np.float32)
     else:
-        proxy, scale = lum, 1.0
+        proxy = np.asarray(lum, dtype=np.float32)
+        scale = 1.0
     ph, pw = proxy.shape
 
     def run(lines: np.ndarray, limit: int) -> int:
@@ -131,8 +143,9 @@ def trim_box(lum: np.ndarray) -> tuple[int, int, int, int]:
     return box
 
 
-def _code(lum: np.ndarray) -> np.ndarray:
-    small = np.asarray(Image.fromarray(lum).resize((DCT_SIZE, DCT_SIZE), Image.BOX), dtype=np.float64)
+def _code(lum: np.ndarray | Image.Image) -> np.ndarray:
+    image = lum if isinstance(lum, Image.Image) else Image.fromarray(lum)
+    small = np.asarray(image.resize((DCT_SIZE, DCT_SIZE), Image.BOX), dtype=np.float64)
     coeffs = dctn(small, norm="ortho")[_ROWS, _COLS]
     bits = coeffs > np.median(coeffs)
     return np.packbits(bits)
@@ -144,15 +157,17 @@ def _crop(lum: np.ndarray, frac: tuple[float, float, float, float]) -> np.ndarra
     return lum[round(t * h): h - round(b * h), round(l * w): w - round(r * w)]
 
 
-def _trimmed(img: Image.Image) -> np.ndarray:
-    lum = luminance(img)
-    l, t, r, b = trim_box(lum)
-    return lum[t:b, l:r]
-
-
 def compute(img: Image.Image) -> bytes:
-    """The near-duplicate signature of a decoded image: ``SIGNATURE_BYTES`` bytes."""
-    return _code(_trimmed(img)).tobytes()
+    """The near-duplicate signature of a decoded image: ``SIGNATURE_BYTES`` bytes.
+
+    The same bits as ``_code(trimmed luminance array)``, computed on a mode ``F``
+    image so that the luminance is not copied into numpy and back (0.3 ms at 0.5 MP).
+    """
+    lum = _luminance_image(img)
+    box = trim_box(lum)
+    if box != (0, 0, lum.width, lum.height):
+        lum = lum.crop(box)
+    return _code(lum).tobytes()
 
 
 def variant_codes(img: Image.Image) -> np.ndarray:
