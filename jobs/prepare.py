@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         f"prepare: {c['inputs']} inputs -> {c['written']} written in {len(manifest['shards'])} shard(s), "
         f"{c['rejected_total']} quarantined {c['rejected']}, {c['duplicates_total']} duplicates {c['duplicates']}; "
         f"{cfg.output}/manifest.json (MLflow run {manifest['mlflow_run_id']})"
+        + (f"; the counts reconciled on attempt {manifest['attempts']}" if manifest.get("attempts", 1) > 1 else "")
     )
     return 0
 

@@ -388,3 +388,67 @@ def test_exact_copies_are_removed_across_many_shards_and_workers(tmp_path, photo
     for d in dups:
         by_content.setdefault(d["duplicate_of"], []).append(d["key"])
     assert all(len(v) == 2 and min(v) > kept for kept, v in by_content.items())  # the smallest key is kept
+
+
+# -- the accounting check and the one re-run ---------------------------------------------------
+
+def _lose_one_record(monkeypatch, tmp_path: Path, attempts_that_lose: int) -> Path:
+    """Make the shuffle to the shard writers drop a record, as the runner once did, for the first N runs.
+
+    Beam serialises the step, so the runs are counted in a file (one line each), not in memory.
+    """
+    from pipelines import ingest
+
+    real, log = ingest._write_shard, tmp_path / "shard-writer-runs.txt"
+
+    def lossy(group, *args):
+        index, records = group
+        records = sorted(records, key=lambda r: r["key"])
+        if index == 0:
+            with open(log, "a") as f:
+                f.write("run\n")
+            if len(log.read_text().splitlines()) <= attempts_that_lose:
+                records = records[1:]
+        yield from real((index, records), *args)
+
+    monkeypatch.setattr(ingest, "_write_shard", lossy)
+    return log
+
+
+def test_a_record_lost_in_the_shuffle_is_caught_and_the_pipeline_run_again(tmp_path, photos, prepare, monkeypatch):
+    import mlflow
+
+    from vitscale import tracking
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    for name in ("astronaut", "chelsea", "coffee", "rocket"):
+        _write(src / "x" / f"{name}.png", _enc(photos[name], "PNG"))
+    runs = _lose_one_record(monkeypatch, tmp_path, attempts_that_lose=1)
+    manifest = prepare(input=[str(src)], output=str(out), size=SIZE)
+    assert len(runs.read_text().splitlines()) == 2 and manifest["attempts"] == 2
+    assert manifest["counts"]["inputs"] == manifest["counts"]["written"] == 4
+    ShardSet(out).verify()
+    assert not list(out.glob(".staging-*"))
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    run_id = manifest["mlflow_run_id"]
+    assert client.get_run(run_id).data.metrics["attempts"] == 2
+    failed = client.download_artifacts(run_id, "failed_attempt_1/outputs.jsonl", str(tmp_path))
+    shard_rows = [r for r in _jsonl(Path(failed)) if r["_t"] == "shard"]
+    assert [r["received"] for r in shard_rows] == [3]
+
+
+def test_a_mismatch_on_every_attempt_fails_loudly_and_writes_no_manifest(tmp_path, photos, prepare, monkeypatch):
+    from pipelines.ingest import MAX_ATTEMPTS, AccountingError
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    for name in ("astronaut", "chelsea"):
+        _write(src / "x" / f"{name}.png", _enc(photos[name], "PNG"))
+    _lose_one_record(monkeypatch, tmp_path, attempts_that_lose=MAX_ATTEMPTS)
+    with pytest.raises(AccountingError) as err:
+        prepare(input=[str(src)], output=str(out), size=SIZE)
+    message = str(err.value)
+    assert "inputs (2) != written (1) + rejected (0) + duplicates (0)" in message
+    assert "2 records went into the shuffle to the shard writers and 1 came out of it" in message
+    assert f"after {MAX_ATTEMPTS} attempts" in message
+    assert not (out / "manifest.json").exists()
+    assert len(list(out.glob(".staging-*/outputs.jsonl"))) == 1  # the last attempt's, for the report
