@@ -31,6 +31,7 @@ shard. The same inputs therefore give byte-identical shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -274,6 +275,11 @@ def _write_outputs(rows: list[dict], url: str) -> None:
     atomic_write(fs, path, _jsonl(rows))
 
 
+def _parallel_direct(cfg: PrepareConfig) -> bool:
+    """Whether ``cfg`` runs the DirectRunner's multi-worker mode (see the re-run in run_prepare)."""
+    return cfg.runner in ("DirectRunner", "direct") and cfg.workers > 1
+
+
 def pipeline_options(cfg: PrepareConfig):
     from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -477,10 +483,11 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             tracking.log_metrics({"test_set_index_s": time.perf_counter() - t_index, "test_set_images": len(index)})
 
         t0 = time.perf_counter()
+        run_cfg = cfg
         for attempt in range(1, MAX_ATTEMPTS + 1):
             staging = f"{root}/.staging-{uuid.uuid4().hex}"
             fs.makedirs(staging, exist_ok=True)
-            with beam.Pipeline(options=pipeline_options(cfg)) as p:
+            with beam.Pipeline(options=pipeline_options(run_cfg)) as p:
                 build_pipeline(p, units, cfg, label_map, index, out_url, fs.unstrip_protocol(staging))
             outputs = _read_staging(fs, staging)
             try:
@@ -494,11 +501,16 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                         f"{exc}. No manifest was written after {attempt} attempts. This is a bug; please report it "
                         f"with {staging} and the MLflow run {run.info.run_id} (failed_attempt_*/outputs.jsonl)"
                     ) from None
-                # Seen once in about ten 5000-image runs on the multi-process DirectRunner: 544
-                # records (34 whole input units) vanished between the decoding step and the shard
-                # writers, while every input was counted. A second run of the deterministic
-                # pipeline rewrites every shard, so the output is exactly that of a clean first run.
-                log.warning("prepare: attempt %d: %s; running the pipeline again", attempt, exc)
+                # The DirectRunner with several workers loses elements now and then (Beam 2.77):
+                # 544 records in one of about twenty 5000-image runs in multi_processing mode, and a
+                # count and 2 records on the first multi_threading run, each time with no error.
+                # The in-process runner (--workers 1) never has, in any run we made, so the second
+                # attempt uses it. The pipeline is deterministic: the shards it rewrites are exactly
+                # those of a clean first run.
+                if _parallel_direct(run_cfg):
+                    run_cfg = dataclasses.replace(run_cfg, workers=1)
+                log.warning("prepare: attempt %d: %s; running the pipeline again%s", attempt, exc,
+                            " in one process (--workers 1)" if run_cfg is not cfg else "")
                 fs.rm(staging, recursive=True)
         wall = time.perf_counter() - t0
         beam_counters = _beam_counters(p)

@@ -415,7 +415,9 @@ def _lose_one_record(monkeypatch, tmp_path: Path, attempts_that_lose: int) -> Pa
     return log
 
 
-def test_a_record_lost_in_the_shuffle_is_caught_and_the_pipeline_run_again(tmp_path, photos, prepare, monkeypatch):
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_record_lost_in_the_shuffle_is_caught_and_the_pipeline_run_again(tmp_path, photos, prepare, monkeypatch,
+                                                                           caplog, workers):
     import mlflow
 
     from vitscale import tracking
@@ -424,8 +426,10 @@ def test_a_record_lost_in_the_shuffle_is_caught_and_the_pipeline_run_again(tmp_p
     for name in ("astronaut", "chelsea", "coffee", "rocket"):
         _write(src / "x" / f"{name}.png", _enc(photos[name], "PNG"))
     runs = _lose_one_record(monkeypatch, tmp_path, attempts_that_lose=1)
-    manifest = prepare(input=[str(src)], output=str(out), size=SIZE)
+    manifest = prepare(input=[str(src)], output=str(out), size=SIZE, workers=workers)
     assert len(runs.read_text().splitlines()) == 2 and manifest["attempts"] == 2
+    # The multi-worker DirectRunner is the one seen losing data; the second attempt runs in one process.
+    assert ("running the pipeline again in one process" in caplog.text) == (workers > 1)
     assert manifest["counts"]["inputs"] == manifest["counts"]["written"] == 4
     ShardSet(out).verify()
     assert not list(out.glob(".staging-*"))
