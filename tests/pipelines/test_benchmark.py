@@ -1,4 +1,4 @@
-"""The ingest benchmark still runs and reports what the README quotes (figures are not asserted)."""
+"""The ingest benchmark and the DirectRunner check still run and report what the README says."""
 import json
 import pathlib
 import subprocess
@@ -18,3 +18,11 @@ def test_ingest_benchmark_prints_one_json_line_last():
     ratio = r["project_img_s_per_core"] / r["naive_img_s_per_core"]
     assert abs(r["speedup_vs_naive"] - ratio) < 0.02  # both sides are rounded
     assert 0 < r["entropy_share_of_project"] < 1  # the project decodes more than the 1/8-scale floor does
+
+
+def test_direct_runner_check_runs_and_finds_no_loss_in_process():
+    out = subprocess.run([sys.executable, str(ROOT / "infra" / "beam" / "direct_runner_check.py"), "--runs", "1",
+                          "--mode", "in_memory", "--units", "4", "--payload-kb", "1"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["elements_per_run"] == 64 and report["lost_per_run"] == [0]
