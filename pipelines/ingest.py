@@ -2,15 +2,17 @@
 
 Graph (every arrow is a PCollection)::
 
-    units --read--> items --process--> records ----test sets----> kept --shuffle by content--> shards
-                      |  (dead letter)    | rejected (dead letter)     | duplicates          | corpus duplicates
-                      +---------------->  quarantine  <----------------+                     |
-                                                       duplicates.jsonl <--------------------+
+    units --read--> items --process--> records ----test sets----> kept --spill--> --shuffle by content--> shards
+                      |  (dead letter)    | rejected (dead letter)     | duplicates              | corpus duplicates
+                      +---------------->  quarantine  <----------------+                         |
+                                                       duplicates.jsonl <------------------------+
 
-The image bytes cross one shuffle only. A row's shard is a stable hash of its
-content hash, so exact copies of one image meet in the same shard group, and
-the shard writer keeps one of them (the smallest key) while writing; a
-separate group-by-content step would shuffle the whole corpus a second time.
+The encoded images never cross the shuffle: the spill step parks them in
+per-bundle files under the run's staging folder and the records carry only a
+``(file, offset, length)`` reference, which the shard writer reads back
+(:mod:`pipelines.spill`). A row's shard is a stable hash of its content hash,
+so exact copies of one image meet in the same shard group, and the shard
+writer keeps one of them (the smallest key) while writing.
 
 Counts are reconciled from the pipeline's outputs (quarantine rows, duplicate
 rows, shard row counts) against an independent count of the items read, never
@@ -234,14 +236,18 @@ def shard_of(content_hash: str, num_shards: int) -> int:
     return int(content_hash[:8], 16) % num_shards
 
 
-def _write_shard(group, out_url: str, label_map: Mapping[str, int]) -> Iterator[dict]:
+def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, int]) -> Iterator[dict]:
     """Write one shard atomically, keeping one record per content hash.
 
+    The records carry their images as ``blob`` references into the run's spill files
+    (:mod:`pipelines.spill`); the images are read back one output batch at a time.
     Yields the shard's manifest entry, then a duplicate row for each record dropped.
     """
     import pyarrow as pa
     import pyarrow.ipc as ipc
     from apache_beam.metrics import Metrics
+
+    from pipelines.spill import BLOB, Blobs
 
     index, records = group
     kept, dups = _pick_unique(records)
@@ -250,16 +256,18 @@ def _write_shard(group, out_url: str, label_map: Mapping[str, int]) -> Iterator[
     fs, root = _fs(out_url)
     # Streamed in batches: besides the grouped records themselves, only one batch of
     # rows is ever held as Arrow arrays, and the file's bytes are never held whole.
-    with atomic_open(fs, f"{root}/{name}") as f:
+    with atomic_open(fs, f"{root}/{name}") as f, Blobs(staging_url) as blobs:
         sink = _Digest(f)
         with ipc.new_file(pa.PythonFile(sink, mode="w"), schema.SCHEMA) as writer:
             for start in range(0, len(kept), schema.BATCH_ROWS):
+                batch = kept[start:start + schema.BATCH_ROWS]
+                images = blobs.read_many([r[BLOB] for r in batch])
                 rows = [{
-                    schema.KEY: r["key"], schema.IMAGE: r["image"], schema.FORMAT: r["format"],
+                    schema.KEY: r["key"], schema.IMAGE: image, schema.FORMAT: r["format"],
                     schema.HEIGHT: r["height"], schema.WIDTH: r["width"],
                     schema.LABELS: sorted({label_map[label] for label in r["labels"]}),
                     schema.SOURCE: r["uri"], schema.CONTENT_HASH: r["content_hash"], schema.PHASH: r["phash"],
-                } for r in kept[start:start + schema.BATCH_ROWS]]
+                } for r, image in zip(batch, images)]
                 writer.write_table(schema.records_to_table(rows))
     Metrics.counter(NAMESPACE, "written").inc(len(kept))
     Metrics.counter(NAMESPACE, "bytes_written").inc(sink.size)
@@ -328,6 +336,11 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         records = split[0]
         dup_parts.append(split[1])
 
+    # From here on only metadata travels: the images wait in staging files (pipelines/spill.py).
+    from pipelines.spill import SpillImages
+
+    records = records | "SpillImages" >> beam.ParDo(SpillImages(staging_url))
+
     if label_map is not None:
         labels_pc = p | "GivenLabels" >> beam.Create([dict(label_map)])
     else:
@@ -350,7 +363,7 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
     )
     num_shards = (
         records
-        | "RowBytes" >> beam.Map(lambda r: len(r["image"]) + _ROW_OVERHEAD)
+        | "RowBytes" >> beam.Map(lambda r: r["blob"][2] + _ROW_OVERHEAD)
         | "TotalBytes" >> beam.CombineGlobally(sum)
         | "NumShards" >> beam.Map(_num_shards, shard_bytes)
     )
@@ -358,7 +371,7 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         records
         | "AssignShard" >> beam.Map(lambda r, n: (shard_of(r["content_hash"], n), r), AsSingleton(num_shards))
         | "GroupShard" >> beam.GroupByKey()
-        | "WriteShard" >> beam.FlatMap(_write_shard, out_url, AsSingleton(labels_pc))
+        | "WriteShard" >> beam.FlatMap(_write_shard, out_url, staging_url, AsSingleton(labels_pc))
     )
     split = written | "SplitCorpusDups" >> beam.Partition(lambda r, n: 0 if r["_t"] == "shard" else 1, 2)
     shards = split[0]
