@@ -514,11 +514,11 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                         f"{exc}. No manifest was written after {attempt} attempts. This is a bug; please report it "
                         f"with {staging} and the MLflow run {run.info.run_id} (failed_attempt_*/outputs.jsonl)"
                     ) from None
-                # The DirectRunner with several workers loses elements now and then (Beam 2.77):
-                # 544 records in one of about twenty 5000-image runs in multi_processing mode, and a
-                # count and 2 records on the first multi_threading run, each time with no error.
-                # The in-process runner (--workers 1) never has, in any run we made, so the second
-                # attempt uses it. The pipeline is deterministic: the shards it rewrites are exactly
+                # The DirectRunner with several workers loses large elements now and then (Beam
+                # 2.77, infra/beam/direct_runner_check.py): 544 records in one of about twenty
+                # 5000-image multi_processing runs and 2 in each multi_threading run, while the
+                # images still crossed the shuffle; none in three multi_threading runs since.
+                # The in-process runner (--workers 1) never has, so the second attempt uses it. The pipeline is deterministic: the shards it rewrites are exactly
                 # those of a clean first run.
                 if _parallel_direct(run_cfg):
                     run_cfg = dataclasses.replace(run_cfg, workers=1)
