@@ -13,6 +13,9 @@ has a fixed start-up cost (interpreter, Beam, worker processes, MLflow) of sever
 so it runs twice, on a quarter of the photos and on all of them, after a one-image warm-up
 run: ``job_img_s_marginal`` is the rate the extra photos were processed at, which is what a
 large corpus sees, and ``job_startup_s`` is what is left of the small run's time.
+``job_peak_rss_mb`` is the largest resident set of the runner or any Beam worker during the
+full run: with the images kept out of the shuffle (``pipelines/spill.py``) it grows with the
+number of records, not with their bytes.
 
     python benchmarks/ingest_job.py [--n 400] [--megapixels 2] [--workers N]
 
@@ -26,6 +29,7 @@ import json
 import multiprocessing
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -104,6 +108,9 @@ def main() -> None:
             (quarter / p.parent.name / p.name).symlink_to(p)
         small = run_job(quarter, tmp / "out-quarter", args.workers, tmp / "mlruns")
         job = run_job(tmp / "photos", tmp / "out", args.workers, tmp / "mlruns")
+        # The largest resident set of any finished child process so far (the runner or a Beam
+        # worker): the full run's, since the earlier runs were smaller and the pool has not run.
+        peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         manifest = json.loads((tmp / "out" / "manifest.json").read_text())
         assert manifest["counts"]["written"] == args.n, manifest["counts"]
 
@@ -127,6 +134,7 @@ def main() -> None:
         "job_img_s": round(args.n / job, 1),
         "job_img_s_marginal": round(marginal, 1),
         "job_startup_s": round(small - (args.n // 4) / marginal, 2),
+        "job_peak_rss_mb": round(peak_mb),
         "pool_img_s": round(args.n / pool_wall, 1),
         "marginal_vs_pool": round(marginal * pool_wall / args.n, 2),
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
