@@ -283,21 +283,43 @@ def _write_outputs(rows: list[dict], url: str) -> None:
     atomic_write(fs, path, _jsonl(rows))
 
 
-def _parallel_direct(cfg: PrepareConfig) -> bool:
-    """Whether ``cfg`` runs the DirectRunner's multi-worker mode (see the re-run in run_prepare)."""
-    return cfg.runner in ("DirectRunner", "direct") and cfg.workers > 1
+def _direct(cfg: PrepareConfig) -> bool:
+    return cfg.runner in ("DirectRunner", "direct")
+
+
+def _in_process(cfg: PrepareConfig) -> bool:
+    """Whether every step runs in this process: the DirectRunner's in-memory mode (``--workers 1``)."""
+    return _direct(cfg) and cfg.workers == 1
 
 
 def pipeline_options(cfg: PrepareConfig):
     from apache_beam.options.pipeline_options import PipelineOptions
 
     flags = [f"--runner={cfg.runner}"]
-    if cfg.runner in ("DirectRunner", "direct"):
+    if _direct(cfg):
         # One worker runs in-process: the multi-process mode costs seconds of
         # start-up that a few hundred images do not repay.
-        mode = "in_memory" if cfg.workers == 1 else "multi_processing"
+        mode = "in_memory" if _in_process(cfg) else "multi_processing"
         flags += [f"--direct_num_workers={cfg.workers}", f"--direct_running_mode={mode}"]
     return PipelineOptions(flags + list(cfg.beam_options))
+
+
+def _count_row(pcolls: tuple, name: str, tag: str):
+    """A one-element PCollection ``{"_t": tag, "n": elements in pcolls}``.
+
+    Counted as ones, never by flattening the elements themselves: a Flatten fed by the
+    items would make the runner materialise every image's bytes a second time (on the
+    DirectRunner that doubled the wall time and tripled the memory).
+    """
+    import apache_beam as beam
+
+    ones = tuple(pc | f"{name}One{i}" >> beam.Map(lambda _: 1) for i, pc in enumerate(pcolls))
+    return (
+        ones
+        | f"All{name}" >> beam.Flatten()
+        | f"Count{name}" >> beam.CombineGlobally(sum)
+        | f"{name}Row" >> beam.Map(lambda n: {"_t": tag, "n": n})
+    )
 
 
 def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[str, int] | None,
@@ -311,15 +333,7 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
 
     read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit).with_exception_handling()
     items, unit_errors = read["good"], read["bad"] | "UnitFailed" >> beam.Map(_unit_failed)
-    # Counted as ones, never by flattening the items themselves: a Flatten fed by the
-    # items would make the runner materialise every image's bytes a second time (on
-    # the DirectRunner that doubled the wall time and tripled the memory).
-    inputs = (
-        (items | "ItemOne" >> beam.Map(lambda _: 1), unit_errors | "UnitErrorOne" >> beam.Map(lambda _: 1))
-        | "AllInputs" >> beam.Flatten()
-        | "CountInputs" >> beam.CombineGlobally(sum)
-        | "InputsRow" >> beam.Map(lambda n: {"_t": "inputs", "n": n})
-    )
+    inputs = _count_row((items, unit_errors), "Inputs", "inputs")
 
     processed = items | "Process" >> beam.Map(process_item, opts).with_exception_handling(
         use_subprocess=cfg.isolate_decoder
@@ -355,12 +369,7 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         )
     # Counted again where the records enter the shuffle, so that a mismatch in the
     # accounting says on which side of it items went missing.
-    to_shards = (
-        records
-        | "RecordOne" >> beam.Map(lambda _: 1)
-        | "CountRecords" >> beam.CombineGlobally(sum)
-        | "RecordsRow" >> beam.Map(lambda n: {"_t": "records", "n": n})
-    )
+    to_shards = _count_row((records,), "Records", "records")
     num_shards = (
         records
         | "RowBytes" >> beam.Map(lambda r: r["blob"][2] + _ROW_OVERHEAD)
@@ -426,8 +435,8 @@ def _check_process_local(cfg: PrepareConfig) -> None:
 
     Test sets may stay there: their index is built here, in the driver, and shipped to the workers.
     """
-    if cfg.runner in ("DirectRunner", "direct") and cfg.workers == 1:
-        return  # the in-memory runner: every step runs in this process
+    if _in_process(cfg):
+        return
     for what, url in [("output", cfg.output), *(("input", u) for u in cfg.input)]:
         if str(url).startswith("memory://"):
             raise PrepareError(
@@ -518,9 +527,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                 # 2.77, infra/beam/direct_runner_check.py): 544 records in one of about twenty
                 # 5000-image multi_processing runs and 2 in each multi_threading run, while the
                 # images still crossed the shuffle; none in three multi_threading runs since.
-                # The in-process runner (--workers 1) never has, so the second attempt uses it. The pipeline is deterministic: the shards it rewrites are exactly
-                # those of a clean first run.
-                if _parallel_direct(run_cfg):
+                # The in-process runner (--workers 1) never has, so the second attempt uses it.
+                # The pipeline is deterministic: the shards it rewrites are exactly those of a
+                # clean first run.
+                if _direct(run_cfg) and not _in_process(run_cfg):
                     run_cfg = dataclasses.replace(run_cfg, workers=1)
                 log.warning("prepare: attempt %d: %s; running the pipeline again%s", attempt, exc,
                             " in one process (--workers 1)" if run_cfg is not cfg else "")
