@@ -1,4 +1,5 @@
 """The ingest benchmark and the DirectRunner check still run and report what the README says."""
+import io
 import json
 import pathlib
 import subprocess
@@ -11,13 +12,34 @@ def test_ingest_benchmark_prints_one_json_line_last():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ingest.py"), "--n", "2", "--repeats", "1",
                           "--megapixels", "2"], capture_output=True, text=True, timeout=300, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    r = report["results"]["2MP"]
-    assert report["benchmark"] == "ingest_decode_resize_encode" and report["speedup_vs_naive_2MP"] > 0
-    for figure in ("project", "naive", "decode_only", "full_item", "entropy_decode"):
-        assert r[f"{figure}_img_s_per_core"] > 0
-    ratio = r["project_img_s_per_core"] / r["naive_img_s_per_core"]
-    assert abs(r["speedup_vs_naive"] - ratio) < 0.02  # both sides are rounded
-    assert 0 < r["entropy_share_of_project"] < 1  # the project decodes more than the 1/8-scale floor does
+    assert report["benchmark"] == "ingest_decode_resize_encode"
+    assert set(report["results"]) == {"grain", "mosaic"}
+    for corpus, results in report["results"].items():
+        r = results["2MP"]
+        assert report[f"speedup_vs_naive_{corpus}_2MP"] == r["speedup_vs_naive"] > 0
+        for figure in ("project", "naive", "decode_only", "full_item", "entropy_decode"):
+            assert r[f"{figure}_img_s_per_core"] > 0
+        ratio = r["project_img_s_per_core"] / r["naive_img_s_per_core"]
+        assert abs(r["speedup_vs_naive"] - ratio) < 0.02  # both sides are rounded
+        assert 0 < r["entropy_share_of_project"] < 1  # the project decodes more than the 1/8-scale floor does
+        assert 1.9 < r["megapixels"] < 2.1 and 0.1 < r["bytes_per_pixel"] < 1  # full frames of photographic JPEG
+
+
+def test_mosaic_corpus_fills_the_frame_with_photographs():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import numpy as np
+    from PIL import Image
+
+    from ingest import make_mosaics
+
+    datas = make_mosaics(4, 1.0)
+    assert datas == make_mosaics(4, 1.0)  # deterministic
+    for data in datas:
+        img = Image.open(io.BytesIO(data))
+        lum = np.asarray(img.convert("L"), dtype=np.float32)
+        assert img.format == "JPEG" and abs(img.width * img.height - 1e6) < 3e3
+        # No uncovered (black) strip at the right or bottom edge.
+        assert lum[:, -8:].mean() > 10 and lum[-8:, :].mean() > 10
 
 
 def test_direct_runner_check_runs_and_finds_no_loss_in_process():
