@@ -43,7 +43,7 @@ import time
 import uuid
 from typing import Any, Iterable, Iterator, Mapping
 
-from pipelines import schema
+from pipelines import local_runner, schema
 from pipelines.config import PrepareConfig
 from pipelines.process import ProcessOptions, process_item, reject
 from pipelines.sources import SourceError, Unit, expand, plan
@@ -301,6 +301,11 @@ def pipeline_options(cfg: PrepareConfig):
         # start-up that a few hundred images do not repay.
         mode = "in_memory" if _in_process(cfg) else "multi_processing"
         flags += [f"--direct_num_workers={cfg.workers}", f"--direct_running_mode={mode}"]
+        if not _in_process(cfg) and not any(o.startswith("--environment_type") for o in cfg.beam_options):
+            # Local worker processes: serve them on loopback only, and keep their
+            # start-up chatter off the terminal (a user's own flags come later and win).
+            local_runner.bind_servers_to_loopback()
+            flags += local_runner.QUIET_WORKER_FLAGS
     return PipelineOptions(flags + list(cfg.beam_options))
 
 

@@ -80,7 +80,8 @@ def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_s
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
 
-    options = [] if verbose else ["--default_sdk_harness_log_level=WARNING"]
+    # Without --verbose the ingest's own worker defaults apply (errors, and this project's warnings).
+    options = ["--default_sdk_harness_log_level=INFO"] if verbose else []
     with _stderr_to(None if verbose or workers == 1 else log):
         return run_prepare(PrepareConfig(input=inputs, output=str(output), size=size, workers=workers,
                                          test_set=test_sets, beam_options=options))

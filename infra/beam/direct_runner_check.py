@@ -41,6 +41,10 @@ def _one_run(units: int, payload: int, mode: str, out: str) -> None:
         with open(out, "w") as f:
             f.write(str(sum(counts)))
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from pipelines.local_runner import bind_servers_to_loopback
+
+    bind_servers_to_loopback()  # the runner's servers, as in the ingest; the data path is Beam's own
     workers = 1 if mode == "in_memory" else 2
     opts = PipelineOptions(["--runner=DirectRunner", f"--direct_num_workers={workers}",
                             f"--direct_running_mode={mode}"])

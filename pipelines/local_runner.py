@@ -1,0 +1,80 @@
+"""The DirectRunner's multi-process mode, kept to this machine and quiet.
+
+With ``--workers N`` (N > 1) Beam's DirectRunner starts N worker processes and
+serves them control, data, state and logging over gRPC. Beam 2.77 binds those
+servers to every interface (``[::]:0``) without authentication, so for the
+length of a run anyone who can reach this machine could connect to them. Like
+Ray and MLflow in their embedded modes, they should listen on loopback only.
+
+:func:`bind_servers_to_loopback` makes the Beam modules that start these
+servers bind ``localhost`` instead of the wildcard address. Their workers
+already connect to ``localhost:PORT``, so nothing else changes. Remote workers
+(a Docker ``--environment_type``, a portable job server) need the wildcard
+address; the ingest leaves those runs alone.
+
+:data:`QUIET_WORKER_FLAGS` keeps the workers' own start-up and shutdown chatter
+(about 50 INFO and WARNING lines a run: optional GCP clients not installed,
+the options they discard, the harness starting and exiting) off the user's
+terminal, while warnings from this project's modules still reach it.
+"""
+from __future__ import annotations
+
+import json
+import threading
+
+_WILDCARDS = ("[::]", "0.0.0.0", "")
+_lock = threading.Lock()
+
+QUIET_WORKER_FLAGS = (
+    "--default_sdk_harness_log_level=ERROR",
+    "--sdk_harness_log_level_overrides=" + json.dumps({name: "WARNING" for name in ("pipelines", "dedup")}),
+)
+
+
+def loopback_address(address: str) -> str:
+    """``address`` with a wildcard host replaced by ``localhost`` (both loopback families, one port)."""
+    host, sep, port = address.rpartition(":")
+    if sep and host in _WILDCARDS:
+        return f"localhost:{port}"
+    return address
+
+
+class _LoopbackServer:
+    """A ``grpc.Server`` whose insecure ports bind loopback instead of every interface."""
+
+    def __init__(self, server):
+        self._server = server
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._server.add_insecure_port(loopback_address(address))
+
+    def __getattr__(self, name):
+        return getattr(self._server, name)
+
+
+class _LoopbackGrpc:
+    """Stands in for the ``grpc`` module inside a Beam module; only ``server()`` differs."""
+
+    def __init__(self, grpc_module):
+        self._grpc = grpc_module
+
+    def server(self, *args, **kwargs):
+        return _LoopbackServer(self._grpc.server(*args, **kwargs))
+
+    def __getattr__(self, name):
+        return getattr(self._grpc, name)
+
+
+def bind_servers_to_loopback() -> None:
+    """Make the DirectRunner's gRPC servers in this process listen on loopback only (idempotent)."""
+    from apache_beam.runners.portability import abstract_job_service, local_job_service
+    from apache_beam.runners.portability.fn_api_runner import worker_handlers
+    from apache_beam.runners.worker import worker_pool_main
+
+    with _lock:
+        # worker_handlers: control, data, state, logging; local_job_service: each
+        # worker's logging server; worker_pool_main: the pool the runner starts
+        # for loopback environments; abstract_job_service: artifact staging.
+        for module in (worker_handlers, local_job_service, worker_pool_main, abstract_job_service):
+            if not isinstance(module.grpc, _LoopbackGrpc):
+                module.grpc = _LoopbackGrpc(module.grpc)
