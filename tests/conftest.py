@@ -55,6 +55,76 @@ def stop_process_group():
     return _stop_process_group
 
 
+LOOPBACK = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+
+def _process_tree(root: int) -> set[int]:
+    """``root`` and every process descended from it, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the name may hold spaces
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo.extend(children.get(pid, ()))
+    return tree
+
+
+def _tcp_listeners(root: int | None = None) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket that ``root`` (default: this process) or a descendant listens on."""
+    inodes = set()
+    for pid in _process_tree(root or os.getpid()):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/net/{table}") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_ip, hex_port = cols[1].split(":")
+                raw = bytes.fromhex(hex_ip)
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
+                found.add((socket.inet_ntop(family, raw), int(hex_port, 16)))
+    return found
+
+
+@pytest.fixture(scope="session")
+def tcp_listeners():
+    """``tcp_listeners(pid=this process)`` -> {(address, port)} listened on by ``pid`` and its descendants.
+
+    Read from /proc, so Linux only: elsewhere the tests that need it skip.
+    """
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("reads listening sockets from /proc (Linux)")
+    return _tcp_listeners
+
+
+@pytest.fixture(scope="session")
+def loopback_addresses():
+    """What a loopback listener shows as: IPv4, IPv6, and IPv4 on a dual-stack socket."""
+    return LOOPBACK
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """Ray started once, in-process, for every test that needs it (starting Ray costs seconds).

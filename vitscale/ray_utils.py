@@ -15,7 +15,8 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
       cluster. Clusters started with ``ray start --head`` use token auth: export
       ``RAY_AUTH_MODE=token`` before starting Python (Ray reads it at import, so setting it
       here would be too late); the token is read from ``~/.ray/auth_token``.
-    - Otherwise: start Ray in-process, bound to 127.0.0.1, without the dashboard.
+    - Otherwise: start Ray in-process on loopback only (:func:`_loopback_node`), without
+      the dashboard.
 
     Workers import this repository's packages (``vitcore``, ``pipelines``, ``vitscale``), so
     an in-process start puts the repository root on their ``PYTHONPATH``.
@@ -28,6 +29,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
         return
+    _loopback_node()
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         num_cpus=num_cpus,
@@ -38,6 +40,27 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
         configure_logging=True,
         logging_level="WARNING",
     )
+
+
+def _loopback_node() -> None:
+    """Make the next in-process ``ray.init`` put every Ray server on loopback.
+
+    Ray 2.60 replaces ``_node_ip_address="127.0.0.1"`` by the machine's external
+    address (``services.resolve_ip_for_localhost``), and its GCS, raylet, agents and
+    workers then listen there or on every interface. It keeps loopback when
+    multi-node clusters are off, which the ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+    variable decides once, when Ray is imported; setting the resulting module
+    constant here works whenever Ray was imported, and leaves the environment of
+    child processes (a ``ray start`` a user runs from here) alone. The processes
+    this start spawns are given the node address, so they follow. A single-node
+    start never needs another machine to reach it.
+
+    Not covered: with several Ray Train workers, torch's rendezvous store on rank 0
+    listens on every interface (torch 2.13 has no bind address for it).
+    """
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def cpus_available() -> int:

@@ -78,8 +78,10 @@ export RAY_AUTH_MODE=token
 "$ray_bin" get-auth-token --generate >/dev/null 2>&1 || die "could not create ~/.ray/auth_token with '$ray_bin get-auth-token --generate'"
 
 # --block keeps ray start in the foreground of its own session, so the whole cluster is one
-# process group that stop can end without touching other Ray instances.
-setsid "$ray_bin" start --head --block \
+# process group that stop can end without touching other Ray instances. Ray 2.60 swaps
+# --node-ip-address=127.0.0.1 for the external address unless multi-node support is off
+# (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0); with it off, GCS, raylet and agents stay on loopback.
+RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 setsid "$ray_bin" start --head --block \
   --node-ip-address=127.0.0.1 --port="$port" \
   --dashboard-host=127.0.0.1 --dashboard-port="$dash_port" --include-dashboard=true \
   --num-cpus="$num_cpus" --num-gpus="$num_gpus" \

@@ -54,6 +54,8 @@ def ray_head(tmp_path, free_port, stop_process_group):
     # `ray start --head` turns on token auth; clients then need RAY_AUTH_MODE=token and the token.
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", RAY_AUTH_MODE="token")
     env.pop("RAY_ADDRESS", None)
+    # As infra/ray/local-cluster.sh does: without it Ray swaps 127.0.0.1 for the external address.
+    head_env = dict(env, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
     subprocess.run([str(bin_dir / "ray"), "get-auth-token", "--generate"], env=env, check=True,
                    capture_output=True, timeout=60)
     # Short path: Ray's unix sockets live under the temp dir and must stay under 108 bytes.
@@ -65,7 +67,7 @@ def ray_head(tmp_path, free_port, stop_process_group):
         [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
          f"--port={port}", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=2",
          "--include-dashboard=true", f"--temp-dir={temp}", "--disable-usage-stats", *agent_ports],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=head_env, start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 120
@@ -84,14 +86,14 @@ def ray_head(tmp_path, free_port, stop_process_group):
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail("ray start --head did not bring the dashboard up in 120 s")
     try:
-        yield address, env
+        yield address, env, proc.pid
     finally:
         stop_process_group(proc)
         shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_ray_job_submit_runs_pretrain(small_demo, ray_head, tmp_path):
-    address, env = ray_head
+    address, env, _ = ray_head
     shards = small_demo["work"] / "shards" / "corpus"
     out_dir = tmp_path / "job_out"
     runtime_env = {"env_vars": {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}}
@@ -109,3 +111,14 @@ def test_ray_job_submit_runs_pretrain(small_demo, ray_head, tmp_path):
     assert "succeeded" in out.stdout + out.stderr
     summary = json.loads((out_dir / "pretrain_summary.json").read_text())
     assert (out_dir / "model.safetensors").exists() and summary["metrics"]["epoch"] == 0
+
+
+def test_ray_head_started_as_documented_listens_on_loopback_only(ray_head, tcp_listeners, loopback_addresses):
+    _, _, head_pid = ray_head
+    # The dashboard answers before the raylet and the agents have all opened their ports.
+    deadline, found = time.time() + 60, tcp_listeners(head_pid)
+    while len(found) < 8 and time.time() < deadline:
+        time.sleep(1)
+        found = tcp_listeners(head_pid)
+    assert len(found) >= 8  # GCS, dashboard, raylet (node and object managers), agents, client server
+    assert {addr for addr, _ in found} <= loopback_addresses, sorted(found)

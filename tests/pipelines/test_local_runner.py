@@ -1,46 +1,16 @@
 """The DirectRunner's multi-process servers listen on loopback only, and its workers stay quiet."""
-import os
 import pathlib
-import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
 
-import pytest
-
 from pipelines.config import PrepareConfig
 from pipelines.ingest import pipeline_options
 from pipelines.local_runner import loopback_address
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
-
-
-def listening(pid: int | str = "self") -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket the process listens on, from /proc (Linux)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
-    found = set()
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/net/{table}") as f:
-            next(f)
-            for line in f:
-                cols = line.split()
-                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
-                    continue
-                hex_ip, hex_port = cols[1].split(":")
-                raw = bytes.fromhex(hex_ip)
-                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))  # host-order words
-                found.add((socket.inet_ntop(family, raw), int(hex_port, 16)))
-    return found
 
 
 def test_loopback_address_rewrites_only_wildcards():
@@ -51,8 +21,7 @@ def test_loopback_address_rewrites_only_wildcards():
     assert loopback_address("10.1.2.3:50051") == "10.1.2.3:50051"  # an address someone chose stays
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads listening sockets from /proc")
-def test_multi_worker_direct_runner_listens_on_loopback_only(tmp_path):
+def test_multi_worker_direct_runner_listens_on_loopback_only(tmp_path, tcp_listeners, loopback_addresses):
     import apache_beam as beam
 
     opts = pipeline_options(PrepareConfig(input=[str(tmp_path)], output=str(tmp_path / "out"), workers=2))
@@ -61,7 +30,7 @@ def test_multi_worker_direct_runner_listens_on_loopback_only(tmp_path):
 
     def watch():
         while not done.is_set():
-            seen.update(listening())
+            seen.update(tcp_listeners())
             time.sleep(0.02)
 
     watcher = threading.Thread(target=watch)
@@ -73,7 +42,7 @@ def test_multi_worker_direct_runner_listens_on_loopback_only(tmp_path):
         done.set()
         watcher.join()
     assert len({port for _, port in seen}) >= 4  # control, data, state, logging at least
-    assert {addr for addr, _ in seen} <= LOOPBACK, sorted(seen)
+    assert {addr for addr, _ in seen} <= loopback_addresses, sorted(seen)
 
 
 def test_workers_keep_quiet_but_project_warnings_get_through(tmp_path):
