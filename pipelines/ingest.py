@@ -301,6 +301,8 @@ def pipeline_options(cfg: PrepareConfig):
         # start-up that a few hundred images do not repay.
         mode = "in_memory" if _in_process(cfg) else "multi_processing"
         flags += [f"--direct_num_workers={cfg.workers}", f"--direct_running_mode={mode}"]
+        if not _in_process(cfg):
+            local_runner.flush_by_size_only()  # Beam's periodic flush drops elements (local_runner)
         if not _in_process(cfg) and not any(o.startswith("--environment_type") for o in cfg.beam_options):
             # Local worker processes: serve them on loopback only, and keep their
             # start-up chatter off the terminal (a user's own flags come later and win).
@@ -528,11 +530,11 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                         f"{exc}. No manifest was written after {attempt} attempts. This is a bug; please report it "
                         f"with {staging} and the MLflow run {run.info.run_id} (failed_attempt_*/outputs.jsonl)"
                     ) from None
-                # The DirectRunner with several workers loses large elements now and then (Beam
-                # 2.77, infra/beam/direct_runner_check.py): 544 records in one of about twenty
-                # 5000-image multi_processing runs and 2 in each multi_threading run, while the
-                # images still crossed the shuffle; none in three multi_threading runs since.
-                # The in-process runner (--workers 1) never has, so the second attempt uses it.
+                # Beam 2.77's DirectRunner with several workers dropped elements through a race in
+                # its time-based stream flush (local_runner.flush_by_size_only turns it off): 544
+                # records in one of about twenty 5000-image multi_processing runs, 2 in each
+                # multi_threading run. Should anything like it remain, the in-process runner
+                # (--workers 1) has none of those streams, so the second attempt uses it.
                 # The pipeline is deterministic: the shards it rewrites are exactly those of a
                 # clean first run.
                 if _direct(run_cfg) and not _in_process(run_cfg):

@@ -3,10 +3,10 @@
 A record is a few hundred bytes of metadata plus its encoded image (tens of KB). Sending the
 images through the shuffle made the DirectRunner hold a copy of every image in its own process
 (a 1.8 GB peak for 5000 photos of 640x480, so one machine could never ingest ImageNet), costs
-Dataflow shuffle bytes, and large values are what Beam 2.77's multi-worker DirectRunner drops
-(``infra/beam/direct_runner_check.py``). So :class:`SpillImages` appends each image to one
-staging file per bundle and passes on ``blob = (file, offset, length)``; the shard writer reads
-the images back by range with :class:`Blobs`.
+Dataflow shuffle bytes, and large values widen the race through which Beam 2.77's multi-worker
+DirectRunner drops elements (:mod:`pipelines.local_runner`). So :class:`SpillImages` appends
+each image to one staging file per bundle and passes on ``blob = (file, offset, length)``; the
+shard writer reads the images back by range with :class:`Blobs`.
 
 The files live in the run's staging folder, which the job deletes when it succeeds. A bundle
 that fails and is retried leaves a file that no record points to; it goes with the folder.

@@ -1,10 +1,12 @@
 """Does this Beam's DirectRunner drop elements with several workers? Run a minimal pipeline and count.
 
-Beam 2.77's DirectRunner, with ``direct_num_workers > 1``, now and then loses elements on their
-way from a worker to the runner's GroupByKey buffer, without any error. ``jobs/prepare.py``
-catches that with its accounting check and re-runs in one process (README, "Output"). This
-script measures whether the Beam installed here still has the problem, so that the fallback can
-be reconsidered when Beam is upgraded.
+Beam 2.77's DirectRunner, with ``direct_num_workers > 1``, now and then loses elements between
+the runner and its workers, without any error. The cause is a race in Beam's time-based flushing
+of its data streams (``pipelines/local_runner.py`` explains it); ``jobs/prepare.py`` turns that
+flushing off, and its accounting check re-runs in one process should anything still go missing
+(README, "Output"). This script measures whether the Beam installed here still has the race
+(Beam's defaults), and whether the prepare's setting avoids it (``--as-prepare``). Run both after
+upgrading Beam.
 
 The pipeline is the smallest one found that shows it: ``Create(units) -> FlatMap`` (16 elements
 of ``--payload-kb`` random bytes per unit) ``-> GroupByKey`` on one key ``-> count``. The loss
@@ -13,7 +15,7 @@ combiner instead of the GroupByKey, no run lost anything. In ``multi_threading``
 2-core machine it showed in 1 to 4 runs out of 8 (1 to 13 elements each); ``multi_processing``
 loses more rarely, about one run in twenty of the real ingest; ``in_memory`` never did.
 
-    python infra/beam/direct_runner_check.py [--runs 8] [--mode multi_threading] [--units 313]
+    python infra/beam/direct_runner_check.py [--runs 8] [--mode multi_threading] [--units 313] [--as-prepare]
 
 The last line printed is one JSON object: the runs, and the elements each run lost.
 """
@@ -29,7 +31,7 @@ import tempfile
 PER_UNIT = 16
 
 
-def _one_run(units: int, payload: int, mode: str, out: str) -> None:
+def _one_run(units: int, payload: int, mode: str, out: str, as_prepare: bool) -> None:
     import apache_beam as beam
     from apache_beam.options.pipeline_options import PipelineOptions
 
@@ -42,9 +44,11 @@ def _one_run(units: int, payload: int, mode: str, out: str) -> None:
             f.write(str(sum(counts)))
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from pipelines.local_runner import bind_servers_to_loopback
+    from pipelines import local_runner
 
-    bind_servers_to_loopback()  # the runner's servers, as in the ingest; the data path is Beam's own
+    local_runner.bind_servers_to_loopback()  # the runner's servers on loopback, as in the ingest
+    if as_prepare:
+        local_runner.flush_by_size_only()
     workers = 1 if mode == "in_memory" else 2
     opts = PipelineOptions(["--runner=DirectRunner", f"--direct_num_workers={workers}",
                             f"--direct_running_mode={mode}"])
@@ -64,10 +68,12 @@ def main() -> None:
     ap.add_argument("--mode", default="multi_threading", choices=["multi_threading", "multi_processing", "in_memory"])
     ap.add_argument("--units", type=int, default=313, help=f"input units of {PER_UNIT} elements each")
     ap.add_argument("--payload-kb", type=int, default=40, help="bytes per element, like an encoded 384 px image")
+    ap.add_argument("--as-prepare", action="store_true",
+                    help="with the data-stream setting jobs/prepare.py uses (pipelines/local_runner.py)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:  # one pipeline per process, so no run inherits another's threads or servers
-        _one_run(args.units, args.payload_kb * 1000, args.mode, args._child)
+        _one_run(args.units, args.payload_kb * 1000, args.mode, args._child, args.as_prepare)
         return
 
     import apache_beam
@@ -78,13 +84,15 @@ def main() -> None:
         for i in range(args.runs):
             out = os.path.join(tmp, f"run{i}.txt")
             subprocess.run([sys.executable, __file__, "--mode", args.mode, "--units", str(args.units),
-                            "--payload-kb", str(args.payload_kb), "--_child", out],
+                            "--payload-kb", str(args.payload_kb), "--_child", out]
+                           + (["--as-prepare"] if args.as_prepare else []),
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             with open(out) as f:
                 lost.append(expected - int(f.read()))
             print(f"run {i + 1}: {expected - lost[-1]} of {expected} elements arrived", flush=True)
     print(json.dumps({
         "check": "direct_runner_element_loss", "beam": apache_beam.__version__, "mode": args.mode,
+        "as_prepare": args.as_prepare,
         "runs": args.runs, "elements_per_run": expected, "lost_per_run": lost,
         "runs_with_loss": sum(1 for n in lost if n), "in_memory_is_the_baseline": args.mode == "in_memory",
     }))

@@ -42,9 +42,9 @@ def test_mosaic_corpus_fills_the_frame_with_photographs():
         assert lum[:, -8:].mean() > 10 and lum[-8:, :].mean() > 10
 
 
-def test_direct_runner_check_runs_and_finds_no_loss_in_process():
+def test_direct_runner_check_runs_with_prepares_setting():
     out = subprocess.run([sys.executable, str(ROOT / "infra" / "beam" / "direct_runner_check.py"), "--runs", "1",
-                          "--mode", "in_memory", "--units", "4", "--payload-kb", "1"],
+                          "--mode", "multi_threading", "--units", "4", "--payload-kb", "1", "--as-prepare"],
                          capture_output=True, text=True, timeout=300, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["elements_per_run"] == 64 and report["lost_per_run"] == [0]
+    assert report["as_prepare"] and report["elements_per_run"] == 64 and report["lost_per_run"] == [0]
