@@ -1,7 +1,10 @@
 """The in-process Ray the stages start keeps every server on loopback."""
+import pytest
 
 
 def test_in_process_ray_listens_on_loopback_only(ray_session, tcp_listeners, loopback_addresses):
+    if tcp_listeners is None:
+        pytest.skip("reads listening sockets from /proc (Linux)")
     ray = ray_session
     assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
 
