@@ -28,7 +28,6 @@ import io
 import json
 import multiprocessing
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
+import machine  # noqa: E402
 from ingest import _sources  # noqa: E402
 from pipelines.process import target_size  # noqa: E402
 
@@ -137,8 +137,7 @@ def main() -> None:
         "job_peak_rss_mb": round(peak_mb),
         "pool_img_s": round(args.n / pool_wall, 1),
         "marginal_vs_pool": round(marginal * pool_wall / args.n, 2),
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version()},
+        "machine": machine.describe(),
     }
     print(json.dumps(result))
 

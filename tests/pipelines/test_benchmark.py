@@ -23,6 +23,13 @@ def test_ingest_benchmark_prints_one_json_line_last():
         assert abs(r["speedup_vs_naive"] - ratio) < 0.02  # both sides are rounded
         assert 0 < r["entropy_share_of_project"] < 1  # the project decodes more than the 1/8-scale floor does
         assert 1.9 < r["megapixels"] < 2.1 and 0.1 < r["bytes_per_pixel"] < 1  # full frames of photographic JPEG
+        # The entropy-only ceiling bounds the project's speed-up, and the two budgets agree with it.
+        assert r["entropy_only_speedup_ceiling"] > r["speedup_vs_naive"]
+        ms = r["ms_per_image"]
+        assert r["project_beyond_entropy_ms"] > 0
+        assert abs(r["project_beyond_entropy_ms"] - (ms["project"] - ms["entropy_floor"])) < 0.003  # all rounded
+        assert abs(r["budget_beyond_entropy_for_3x_ms"] - (ms["naive"] / 3 - ms["entropy_floor"])) < 0.003
+    assert report["machine"]["cpu"]["name"] and report["machine"]["cores"] >= 1
 
 
 def test_mosaic_corpus_fills_the_frame_with_photographs():
