@@ -462,9 +462,16 @@ def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
     units: list[Unit] = []
     for src in cfg.input:
         try:
-            units.extend(plan(src))
+            found = plan(src)
         except SourceError as exc:
             raise PrepareError(f"input: {exc}") from None
+        if not found:
+            # An empty shard set would only fail later, in pre-training, far from the cause.
+            raise PrepareError(
+                f"input: {src}: nothing to ingest (no files, manifest rows or shards; hidden files are skipped); "
+                "check the path"
+            )
+        units.extend(found)
     return units
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image
 
 from pipelines.decode import BadImage, decode_image, rgbx_view
-from pipelines.schema import make_key
+from pipelines.schema import make_key, text_uri
 from pipelines.sources import SourceItem
 
 
@@ -148,7 +148,8 @@ def _resize_pixels(pixels: np.ndarray, new: tuple[int, int]) -> np.ndarray:
 
 
 def reject(uri: str, reason: str, detail: str) -> dict[str, Any]:
-    return {"_t": "rejected", "key": make_key(uri), "uri": uri, "reason": reason, "detail": detail}
+    """A quarantine row; its text is valid UTF-8 whatever the file's name was (:func:`~pipelines.schema.text_uri`)."""
+    return {"_t": "rejected", "key": make_key(uri), "uri": text_uri(uri), "reason": reason, "detail": text_uri(detail)}
 
 
 def process_item(item: SourceItem, opts: ProcessOptions) -> dict[str, Any]:

@@ -17,7 +17,8 @@ Columns (:data:`SCHEMA`, version :data:`SCHEMA_VERSION`):
 ``height``        int32    pixel height of ``image``
 ``width``         int32    pixel width of ``image``
 ``labels``        list<int32>  class ids through ``manifest["label_map"]``; several for multi-label corpora
-``source``        string   the uri the item was read from (tar members: ``tar://member::archive-url``)
+``source``        string   the uri the item was read from (tar members: ``tar://member::archive-url``);
+                           bytes of a file name that are not UTF-8 appear as ``\\xNN`` (:func:`text_uri`)
 ``content_hash``  string   SHA-256 of the decoded pixels, ``dedup.signatures.content_hash`` (large
                            JPEGs are hashed as decoded at the DCT-draft scale for ``--size``)
 ``phash``         binary   perceptual signature, ``dedup.signatures.compute`` of the decoded image
@@ -94,9 +95,33 @@ class ShardSetError(ValueError):
     """A shard set that cannot be read as it is; the message names the file and the fix."""
 
 
+def text_uri(uri: str) -> str:
+    """``uri`` as valid UTF-8 text: bytes of a file name that are not UTF-8 become ``\\xNN``.
+
+    Python hands such names (Latin-1 or Shift JIS names from old archives and
+    crawls) over as lone surrogates, which Arrow strings, JSON readers and
+    UTF-8 files all refuse. Every uri, label and detail this project writes goes
+    through here; the file itself is still opened by its real name. Valid
+    names come back unchanged.
+    """
+    try:
+        uri.encode("utf-8")
+        return uri
+    except UnicodeEncodeError:
+        pass
+    try:
+        return uri.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a lone surrogate that stands for no byte (a JSON "\\ud800" escape)
+        return uri.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def make_key(uri: str) -> str:
-    """Stable 20-hex-digit id of an item from its source uri: same input, same key, every run."""
-    return hashlib.blake2b(uri.encode("utf-8"), digest_size=10).hexdigest()
+    """Stable 20-hex-digit id of an item from its source uri: same input, same key, every run.
+
+    A name and its :func:`text_uri` form give the same key, so re-sharding from
+    the ``source`` column keeps every key.
+    """
+    return hashlib.blake2b(text_uri(uri).encode("utf-8"), digest_size=10).hexdigest()
 
 
 def shard_name(index: int) -> str:

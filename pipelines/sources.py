@@ -21,7 +21,9 @@ A *source* is one of:
 
 Each :class:`SourceItem` has the item's ``uri`` (a URL fsspec can open; tar
 members are ``tar://member::archive-url``), its label names and its bytes,
-read lazily by :meth:`SourceItem.read`. Reading failures are not exceptions of
+read lazily by :meth:`SourceItem.read`. File, folder and member names that are
+not valid UTF-8 are read under their real names but recorded in their
+:func:`~pipelines.schema.text_uri` form, in the uri and in the labels alike. Reading failures are not exceptions of
 the enumeration: they surface as :class:`~pipelines.decode.BadImage` from
 ``read()`` so that one bad file never stops a walk over a million.
 
@@ -40,6 +42,7 @@ import tarfile
 from typing import Callable, Iterator
 
 from pipelines.decode import BadImage
+from pipelines.schema import text_uri
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet")
@@ -118,11 +121,15 @@ def _read_url(url: str) -> bytes:
         with fsspec.open(url, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise BadImage("unreadable", f"{url}: file not found") from None
+        raise BadImage("unreadable", f"{text_uri(url)}: file not found") from None
     except IsADirectoryError:
-        raise BadImage("unreadable", f"{url}: is a directory, not a file") from None
+        raise BadImage("unreadable", f"{text_uri(url)}: is a directory, not a file") from None
     except Exception as exc:
-        raise BadImage("unreadable", f"{url}: cannot be read ({type(exc).__name__}: {exc})") from None
+        raise BadImage("unreadable", text_uri(f"{url}: cannot be read ({type(exc).__name__}: {exc})")) from None
+
+
+def _text_labels(labels: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(text_uri(name) for name in labels)
 
 
 def _tar_stem(path: str) -> str:
@@ -279,10 +286,10 @@ def _plan_manifest(fs, path: str, files_per_unit: int) -> list[Unit]:
 def expand(unit: Unit) -> Iterator[SourceItem]:
     """The items of one unit. Items of ``files`` units read lazily; archive members are read as the archive streams."""
     if unit.kind == "error":
-        yield SourceItem(unit.uris[0], error=unit.error)
+        yield SourceItem(text_uri(unit.uris[0]), error=unit.error)
     elif unit.kind == "files":
         for uri, labels in zip(unit.uris, unit.labels):
-            yield SourceItem(uri, labels, reader=lambda uri=uri: _read_url(uri))
+            yield SourceItem(text_uri(uri), _text_labels(labels), reader=lambda uri=uri: _read_url(uri))
     elif unit.kind == "tar":
         yield from _expand_tar(unit.uris[0], unit.labels[0])
     elif unit.kind == "shard":
@@ -308,12 +315,12 @@ def _expand_tar(url: str, default_labels: tuple[str, ...]) -> Iterator[SourceIte
                 f = archive.extractfile(member)
                 data = f.read() if f is not None else b""
                 members += 1
-                yield SourceItem(f"tar://{name}::{url}", labels, data=data)
+                yield SourceItem(text_uri(f"tar://{name}::{url}"), _text_labels(labels), data=data)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         where = f"after {members} member(s)" if members else "before the first member"
-        yield SourceItem(url, default_labels, error=(
-            "corrupt_archive", f"{url}: archive unreadable {where} ({type(exc).__name__}: {exc}); the rest of it is skipped"
-        ))
+        yield SourceItem(text_uri(url), _text_labels(default_labels), error=("corrupt_archive", text_uri(
+            f"{url}: archive unreadable {where} ({type(exc).__name__}: {exc}); the rest of it is skipped"
+        )))
 
 
 def _expand_shard(url: str, index: int) -> Iterator[SourceItem]:

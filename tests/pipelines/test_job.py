@@ -1,6 +1,7 @@
 """jobs/prepare.py as users run it: exit codes, messages, and a SIGKILL in the middle of writing."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -43,6 +44,30 @@ def test_bad_config_value_names_the_field(tmp_path):
 def test_output_inside_the_input_is_refused(tmp_path):
     r = _job("--input", str(tmp_path), "--output", str(tmp_path / "shards"))
     assert r.returncode == 2 and "inside input" in r.stderr
+
+
+def test_an_input_with_nothing_in_it_exits_nonzero_naming_it(tmp_path):
+    (tmp_path / "empty" / ".hidden").mkdir(parents=True)
+    r = _job("--input", str(tmp_path / "empty"), "--output", str(tmp_path / "out"))
+    assert r.returncode == 2 and "empty" in r.stderr and "nothing to ingest" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_names_that_are_not_utf8_are_ingested_not_fatal(tmp_path, photos, enc):
+    # One Latin-1 file name used to kill the whole job, dead-letter path included.
+    src = os.fsencode(tmp_path / "src")
+    os.makedirs(os.path.join(src, b"d\xf6gs"))
+    with open(os.path.join(src, b"d\xf6gs", b"caf\xe9.jpg"), "wb") as f:
+        f.write(enc(photos["chelsea"], "JPEG"))
+    with open(os.path.join(src, b"d\xf6gs", b"vide\xe9.jpg"), "wb") as f:
+        pass
+    r = _job("--input", os.fsdecode(src), "--output", str(tmp_path / "out"), "--size", "32", "--workers", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    shards = ShardSet(tmp_path / "out")
+    assert shards.manifest["label_map"] == {"d\\xf6gs": 0}
+    assert shards[0]["source"].endswith("/d\\xf6gs/caf\\xe9.jpg")
+    (row,) = [json.loads(line) for line in (tmp_path / "out" / "quarantine.jsonl").read_text("utf-8").splitlines()]
+    assert row["reason"] == "empty_file" and row["uri"].endswith("/vide\\xe9.jpg")
 
 
 @pytest.fixture(scope="module")

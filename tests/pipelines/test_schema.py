@@ -7,7 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from pipelines.schema import SCHEMA, SCHEMA_VERSION, ShardSet, ShardSetError, decode_row_image
+from pipelines.schema import (
+    SCHEMA, SCHEMA_VERSION, ShardSet, ShardSetError, decode_row_image, make_key, text_uri,
+)
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +121,13 @@ def test_decode_row_image_rejects_inconsistent_rows():
         decode_row_image(b"\x00" * 10, "raw", 2, 2)
     with pytest.raises(ValueError, match="unknown format"):
         decode_row_image(b"", "png", 1, 1)
+
+
+def test_text_uri_escapes_only_what_is_not_utf8_and_keys_ignore_the_form():
+    import os
+
+    raw = os.fsdecode(b"/c/caf\xe9.jpg")  # how Python hands over a Latin-1 file name
+    assert text_uri(raw) == "/c/caf\\xe9.jpg"
+    assert text_uri("/c/猫 x.jpg") == "/c/猫 x.jpg"  # valid names are untouched, so keys never moved
+    assert text_uri("a\ud800b") == "a\\ud800b"  # a lone surrogate from a JSON escape
+    assert make_key(raw) == make_key(text_uri(raw))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import tarfile
 
 import pyarrow as pa
@@ -50,6 +51,28 @@ def test_enumeration_order_and_keys_are_deterministic(tmp_path, wr, jpeg):
     second = [(it.uri, it.key) for it in iter_items("file://" + str(tmp_path))]
     assert first == second and len(first) == 40
     assert all(key == make_key(uri) for uri, key in first)
+
+
+def test_names_that_are_not_utf8_are_read_and_recorded_as_text(tmp_path, jpeg):
+    # Latin-1 bytes in a class folder and a file name, as in old archives and crawls.
+    folder = os.path.join(os.fsencode(tmp_path), b"d\xf6gs")
+    os.makedirs(folder)
+    with open(os.path.join(folder, b"caf\xe9.jpg"), "wb") as f:
+        f.write(jpeg)
+    (item,) = iter_items(str(tmp_path))
+    assert item.uri.endswith("/d\\xf6gs/caf\\xe9.jpg") and item.labels == ("d\\xf6gs",)
+    item.uri.encode("utf-8")  # valid text: Arrow, JSON and UTF-8 files take it
+    assert item.read() == jpeg and item.key == make_key(item.uri)
+
+
+def test_tar_member_names_that_are_not_utf8_are_recorded_as_text(tmp_path, jpeg):
+    with tarfile.open(tmp_path / "a.tar", "w", format=tarfile.GNU_FORMAT) as tf:  # GNU: names as raw bytes
+        info = tarfile.TarInfo(os.fsdecode(b"n0\xe9/caf\xe9.jpg"))
+        info.size = len(jpeg)
+        tf.addfile(info, io.BytesIO(jpeg))
+    (item,) = iter_items(str(tmp_path / "a.tar"))
+    assert item.uri.startswith("tar://n0\\xe9/caf\\xe9.jpg::") and item.labels == ("n0\\xe9",)
+    assert item.read() == jpeg
 
 
 def _tar(path, members: dict[str, bytes], mode="w"):
