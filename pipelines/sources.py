@@ -235,10 +235,12 @@ def _manifest_rows(fs, path: str) -> Iterator[dict]:
             with fs.open(path, "rb") as f:
                 yield from pq.read_table(f).to_pylist()
         elif lower.endswith(".csv"):
-            with fs.open(path, "rt", newline="") as f:
+            # surrogateescape: a row naming a file by its Latin-1 bytes still opens that file
+            # (and is recorded in text_uri form) instead of failing the whole manifest.
+            with fs.open(path, "rt", newline="", encoding="utf-8", errors="surrogateescape") as f:
                 yield from csv.DictReader(f)
         else:
-            with fs.open(path, "rt") as f:
+            with fs.open(path, "rt", encoding="utf-8", errors="surrogateescape") as f:
                 for lineno, line in enumerate(f, 1):
                     if not line.strip():
                         continue

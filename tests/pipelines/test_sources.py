@@ -75,6 +75,17 @@ def test_tar_member_names_that_are_not_utf8_are_recorded_as_text(tmp_path, jpeg)
     assert item.read() == jpeg
 
 
+def test_a_manifest_row_in_latin1_opens_its_file_instead_of_failing_the_manifest(tmp_path, jpeg):
+    with open(os.path.join(os.fsencode(tmp_path), b"caf\xe9.jpg"), "wb") as f:
+        f.write(jpeg)
+    (tmp_path / "m.csv").write_bytes(b"uri,label\ncaf\xe9.jpg,caf\xe9\n")
+    (tmp_path / "m.jsonl").write_bytes(b'{"uri": "caf\xe9.jpg", "label": "x"}\n')
+    for manifest in ("m.csv", "m.jsonl"):
+        (item,) = iter_items(str(tmp_path / manifest))
+        assert item.uri.endswith("/caf\\xe9.jpg") and item.read() == jpeg
+    assert next(iter_items(str(tmp_path / "m.csv"))).labels == ("caf\\xe9",)
+
+
 def _tar(path, members: dict[str, bytes], mode="w"):
     with tarfile.open(path, mode) as tf:
         for name, data in members.items():
