@@ -424,7 +424,7 @@ class TestSetIndex:
             path = d / entry["path"]
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: listed in {manifest_path} but missing; rebuild the index")
-            with pa.memory_map(str(path)) as src:
+            with pa.memory_map(os.fsencode(path)) as src:  # bytes: a folder name need not be UTF-8
                 table = ipc.open_file(src).read_all()
             meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
             name, version = meta["test_set"], int(meta["version"])
@@ -457,7 +457,7 @@ def _write_records(path: Path, index: TestSetIndex, name: str, version: int, row
         "codes": [index._codes[i].tobytes() for i in rows],
     }, schema=schema)
     tmp = path.with_suffix(".arrow.tmp")
-    with ipc.new_file(str(tmp), schema) as writer:
+    with pa.OSFile(os.fsencode(tmp), "wb") as sink, ipc.new_file(sink, schema) as writer:
         writer.write_table(table)
     tmp.replace(path)
 

@@ -106,7 +106,7 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
             continue
         path = root / shard["path"]
         try:
-            with pa.memory_map(str(path)) as src:
+            with pa.memory_map(os.fsencode(path)) as src:  # bytes: a folder name need not be UTF-8
                 table = ipc.open_file(src).read_all().select(["key", "content_hash", "phash"])
         except (OSError, pa.ArrowInvalid, KeyError) as exc:
             raise OSError(f"{path}: unreadable or missing key/content_hash/phash ({exc}); re-run the ingest") from exc

@@ -11,6 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from vitscale.config import parse_args  # noqa: E402
+from vitscale.text import utf8_text  # noqa: E402
 
 from pipelines.config import PrepareConfig  # noqa: E402
 from pipelines.ingest import AccountingError, PrepareError, run_prepare  # noqa: E402
@@ -27,12 +28,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prepare: {exc}", file=sys.stderr)
         return 1
     c = manifest["counts"]
-    print(
+    print(utf8_text(  # an output folder's name need not be UTF-8; stdout may be strict
         f"prepare: {c['inputs']} inputs -> {c['written']} written in {len(manifest['shards'])} shard(s), "
         f"{c['rejected_total']} quarantined {c['rejected']}, {c['duplicates_total']} duplicates {c['duplicates']}; "
         f"{cfg.output}/manifest.json (MLflow run {manifest['mlflow_run_id']})"
         + (f"; the counts reconciled on attempt {manifest['attempts']}" if manifest.get("attempts", 1) > 1 else "")
-    )
+    ))
     return 0
 
 

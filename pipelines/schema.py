@@ -49,6 +49,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+# The source column's text contract: names that are not UTF-8 are written with \xNN escapes.
+from vitscale.text import utf8_text as text_uri
+
 SCHEMA_VERSION = 1
 
 KEY = "key"
@@ -93,26 +96,6 @@ BATCH_ROWS = 1024
 
 class ShardSetError(ValueError):
     """A shard set that cannot be read as it is; the message names the file and the fix."""
-
-
-def text_uri(uri: str) -> str:
-    """``uri`` as valid UTF-8 text: bytes of a file name that are not UTF-8 become ``\\xNN``.
-
-    Python hands such names (Latin-1 or Shift JIS names from old archives and
-    crawls) over as lone surrogates, which Arrow strings, JSON readers and
-    UTF-8 files all refuse. Every uri, label and detail this project writes goes
-    through here; the file itself is still opened by its real name. Valid
-    names come back unchanged.
-    """
-    try:
-        uri.encode("utf-8")
-        return uri
-    except UnicodeEncodeError:
-        pass
-    try:
-        return uri.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a lone surrogate that stands for no byte (a JSON "\\ud800" escape)
-        return uri.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def make_key(uri: str) -> str:
@@ -254,7 +237,7 @@ class ShardSet:
             path = self.shard_path(i)
             try:
                 if self._local:
-                    source = pa.memory_map(path, "r")
+                    source = pa.memory_map(os.fsencode(path), "r")  # bytes: a folder name need not be UTF-8
                 else:
                     with self._fs.open(path, "rb") as f:
                         source = pa.BufferReader(f.read())

@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from vitscale.text import utf8_text
+
 DEFAULT_EXPERIMENT = "vitscale"
 
 
@@ -84,7 +86,7 @@ def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
             out.update(flatten(value, name + "."))
         else:
             text = json.dumps(value) if isinstance(value, (list, tuple)) else str(value)
-            out[name] = text[:6000]  # MLflow caps param values
+            out[utf8_text(name)] = utf8_text(text)[:6000]  # MLflow caps param values; its store takes UTF-8 only
     return out
 
 
@@ -107,7 +109,7 @@ def start_run(
     os.environ.pop("MLFLOW_RUN_ID", None)
     parent_run_id = parent_run_id or os.environ.get("VITSCALE_PARENT_RUN_ID") or None
     mlflow, exp_id = _setup(experiment)
-    all_tags = {"vitscale.stage": stage, **(tags or {})}
+    all_tags = {"vitscale.stage": stage, **{utf8_text(k): utf8_text(str(v)) for k, v in (tags or {}).items()}}
     with mlflow.start_run(
         experiment_id=exp_id,
         run_name=run_name or stage,

@@ -70,6 +70,17 @@ def test_save_load_is_incremental_and_tagged(tmp_path, photos):
     assert loaded.match(sig.content_hash(copy), sig.compute(copy))[0].key == "coffee"
 
 
+def test_an_index_saves_and_loads_in_a_folder_whose_name_is_not_utf8(tmp_path, photos):
+    import os
+    from pathlib import Path
+
+    d = Path(os.fsdecode(os.path.join(os.fsencode(tmp_path), b"ind\xe9x")))  # Latin-1 bytes, as Python hands them over
+    index = TestSetIndex()
+    index.add("a", "astronaut", photos["astronaut.png"])
+    index.save(d)
+    assert TestSetIndex.load(d).counts() == {"a": 1}
+
+
 def test_bad_test_images_are_quarantined_not_fatal(tmp_path, photos):
     src = tmp_path / "testset"
     src.mkdir()

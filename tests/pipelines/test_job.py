@@ -61,12 +61,16 @@ def test_names_that_are_not_utf8_are_ingested_not_fatal(tmp_path, photos, enc):
         f.write(enc(photos["chelsea"], "JPEG"))
     with open(os.path.join(src, b"d\xf6gs", b"vide\xe9.jpg"), "wb") as f:
         pass
-    r = _job("--input", os.fsdecode(src), "--output", str(tmp_path / "out"), "--size", "32", "--workers", "1")
+    out = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"sh\xe4rds"))  # the output folder too: MLflow, Arrow
+    r = _job("--input", os.fsdecode(src), "--output", out, "--size", "32", "--workers", "1")
     assert r.returncode == 0, r.stderr[-2000:]
-    shards = ShardSet(tmp_path / "out")
+    assert "/sh\\xe4rds/manifest.json" in r.stdout  # the summary is valid text too
+    shards = ShardSet(out)
+    shards.verify()
     assert shards.manifest["label_map"] == {"d\\xf6gs": 0}
     assert shards[0]["source"].endswith("/d\\xf6gs/caf\\xe9.jpg")
-    (row,) = [json.loads(line) for line in (tmp_path / "out" / "quarantine.jsonl").read_text("utf-8").splitlines()]
+    with open(os.path.join(os.fsencode(out), b"quarantine.jsonl"), encoding="utf-8") as f:
+        (row,) = [json.loads(line) for line in f]
     assert row["reason"] == "empty_file" and row["uri"].endswith("/vide\\xe9.jpg")
 
 

@@ -59,3 +59,12 @@ def test_a_later_vitscale_home_is_honoured_in_the_same_process(mlflow_store, mon
         [e.experiment_id for e in mlflow.MlflowClient(tracking.default_tracking_uri()).search_experiments()])] == [
         second.info.run_id]
     assert first.info.run_id != second.info.run_id
+
+
+def test_params_and_tags_that_are_not_utf8_are_logged_as_text(mlflow_store):
+    # A path with Latin-1 bytes (an --output folder, say) used to fail the run in MLflow's store.
+    path = os.fsdecode(b"/data/caf\xe9")
+    with tracking.start_run("prepare", params={"output": path, "input": [path]}, tags={"src": path}) as run:
+        pass
+    r = mlflow.MlflowClient(tracking.tracking_uri()).get_run(run.info.run_id)
+    assert r.data.params["output"] == "/data/caf\\xe9" and r.data.tags["src"] == "/data/caf\\xe9"
