@@ -7,7 +7,7 @@ from typing import Literal
 
 from vitscale.config import check
 
-from pipelines.decode import DEFAULT_MAX_MEGAPIXELS
+from pipelines.decode import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_MEGAPIXELS
 
 
 def _default_workers() -> int:
@@ -47,6 +47,10 @@ class PrepareConfig:
     max_megapixels: float = dataclasses.field(
         default=DEFAULT_MAX_MEGAPIXELS, metadata={"help": "quarantine images above this many megapixels (bombs)"}
     )
+    max_file_mb: float = dataclasses.field(
+        default=DEFAULT_MAX_FILE_MB,
+        metadata={"help": "quarantine files (and tar members) larger than this many MB without reading them whole"},
+    )
     min_short_side: int = dataclasses.field(
         default=32, metadata={"help": "quarantine images whose shorter side is below this many pixels"}
     )
@@ -82,6 +86,7 @@ class PrepareConfig:
         check(1 <= self.quality <= 100, "quality", f"JPEG quality must be in 1..100, got {self.quality}")
         check(self.workers >= 1, "workers", f"must be at least 1, got {self.workers}")
         check(self.max_megapixels > 0, "max_megapixels", f"must be positive, got {self.max_megapixels}")
+        check(self.max_file_mb > 0, "max_file_mb", f"must be positive, got {self.max_file_mb}")
         check(self.min_short_side >= 0, "min_short_side", f"must be >= 0, got {self.min_short_side}")
         check(self.shard_mb > 0, "shard_mb", f"must be positive, got {self.shard_mb}")
         names = []

@@ -47,6 +47,7 @@ REASONS = (
     "not_an_image",  # no image signature at all (text, HTML error pages, ...)
     "unsupported_format",  # an image, but not one of ALLOWED_FORMATS
     "decompression_bomb",  # more pixels than max_megapixels
+    "too_large",  # a file of more bytes than max_file_mb, not read beyond that
     "too_small",  # shorter side below min_short_side
     "unknown_label",  # a label that the given label map does not list
     "unreadable",  # the source could not be read (missing file, bad archive member)
@@ -62,6 +63,10 @@ ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "GIF", "BMP", "DIB", 
 ALPHA_BACKGROUND = (255, 255, 255)
 
 DEFAULT_MAX_MEGAPIXELS = 89.0  # Pillow's own bomb threshold, made explicit and configurable
+# Bytes, as megapixels bound pixels: every item is read whole and crosses the runner, so a
+# multi-GB video in a crawled folder could exhaust a worker's memory. 1 GB still admits any
+# image max_megapixels does (89 MP of uncompressed 16-bit RGBA is 712 MB).
+DEFAULT_MAX_FILE_MB = 1024.0
 
 _DRAFT_FORMATS = frozenset({"JPEG", "MPO"})
 

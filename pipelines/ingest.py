@@ -169,11 +169,11 @@ def load_label_map(path: str) -> dict[str, int]:
 
 # -- pipeline steps (module-level so they pickle by reference) ---------------------------------
 
-def _read_unit(unit: Unit) -> Iterator[Any]:
+def _read_unit(unit: Unit, max_bytes: int | None = None) -> Iterator[Any]:
     from apache_beam.metrics import Metrics
 
     counter = Metrics.counter(NAMESPACE, "inputs")
-    for item in expand(unit):
+    for item in expand(unit, max_bytes=max_bytes):
         counter.inc()
         yield item.materialize()
 
@@ -338,7 +338,8 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
     opts = ProcessOptions.from_config(cfg, label_map)
     shard_bytes = cfg.shard_mb * 1e6
 
-    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit).with_exception_handling()
+    max_bytes = int(cfg.max_file_mb * 1e6)
+    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes).with_exception_handling()
     items, unit_errors = read["good"], read["bad"] | "UnitFailed" >> beam.Map(_unit_failed)
     inputs = _count_row((items, unit_errors), "Inputs", "inputs")
 

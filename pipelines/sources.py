@@ -114,12 +114,24 @@ def _is_hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-def _read_url(url: str) -> bytes:
+def _too_large(uri: str, size: int | None, max_bytes: int) -> BadImage:
+    what = f"{size / 1e6:.1f} MB" if size is not None else f"more than {max_bytes / 1e6:g} MB"
+    return BadImage("too_large", text_uri(f"{uri}: {what}, above max_file_mb={max_bytes / 1e6:g}; not read further"))
+
+
+def _read_url(url: str, max_bytes: int | None = None) -> bytes:
     try:
         import fsspec
 
         with fsspec.open(url, "rb") as f:
-            return f.read()
+            if max_bytes is None:
+                return f.read()
+            data = f.read(max_bytes + 1)  # no size query: one request less on object stores
+        if len(data) > max_bytes:
+            raise _too_large(url, None, max_bytes)
+        return data
+    except BadImage:
+        raise
     except FileNotFoundError:
         raise BadImage("unreadable", f"{text_uri(url)}: file not found") from None
     except IsADirectoryError:
@@ -285,22 +297,26 @@ def _plan_manifest(fs, path: str, files_per_unit: int) -> list[Unit]:
     return units
 
 
-def expand(unit: Unit) -> Iterator[SourceItem]:
-    """The items of one unit. Items of ``files`` units read lazily; archive members are read as the archive streams."""
+def expand(unit: Unit, *, max_bytes: int | None = None) -> Iterator[SourceItem]:
+    """The items of one unit. Items of ``files`` units read lazily; archive members are read as the archive streams.
+
+    A file or member of more than ``max_bytes`` bytes becomes an item with the error
+    ``too_large`` instead of being read whole (``None``: no limit).
+    """
     if unit.kind == "error":
         yield SourceItem(text_uri(unit.uris[0]), error=unit.error)
     elif unit.kind == "files":
         for uri, labels in zip(unit.uris, unit.labels):
-            yield SourceItem(text_uri(uri), _text_labels(labels), reader=lambda uri=uri: _read_url(uri))
+            yield SourceItem(text_uri(uri), _text_labels(labels), reader=lambda uri=uri: _read_url(uri, max_bytes))
     elif unit.kind == "tar":
-        yield from _expand_tar(unit.uris[0], unit.labels[0])
+        yield from _expand_tar(unit.uris[0], unit.labels[0], max_bytes)
     elif unit.kind == "shard":
         yield from _expand_shard(unit.uris[0], unit.index)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
 
 
-def _expand_tar(url: str, default_labels: tuple[str, ...]) -> Iterator[SourceItem]:
+def _expand_tar(url: str, default_labels: tuple[str, ...], max_bytes: int | None = None) -> Iterator[SourceItem]:
     members = 0
     try:
         import fsspec
@@ -314,10 +330,16 @@ def _expand_tar(url: str, default_labels: tuple[str, ...]) -> Iterator[SourceIte
                     continue
                 folder = posixpath.dirname(name)
                 labels = (posixpath.basename(folder),) if folder else default_labels
+                uri = f"tar://{name}::{url}"
+                members += 1
+                if max_bytes is not None and member.size > max_bytes:
+                    # The stream skips the member's data when it moves on; nothing is read.
+                    exc = _too_large(uri, member.size, max_bytes)
+                    yield SourceItem(text_uri(uri), _text_labels(labels), error=(exc.reason, exc.detail))
+                    continue
                 f = archive.extractfile(member)
                 data = f.read() if f is not None else b""
-                members += 1
-                yield SourceItem(text_uri(f"tar://{name}::{url}"), _text_labels(labels), data=data)
+                yield SourceItem(text_uri(uri), _text_labels(labels), data=data)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         where = f"after {members} member(s)" if members else "before the first member"
         yield SourceItem(text_uri(url), _text_labels(default_labels), error=("corrupt_archive", text_uri(

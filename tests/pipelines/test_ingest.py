@@ -48,6 +48,7 @@ BAD = {
     "c/notes.txt": "not_an_image",
     "c/icon.ico": "unsupported_format",
     "c/bomb.png": "decompression_bomb",
+    "c/video.mp4": "too_large",  # above max_file_mb: quarantined without being read whole
     "c/tiny.png": "too_small",
     "c/wide.png": "unexpected_error",  # JPEG cannot store 66000 px: a real encoder exception, dead-lettered
     "broken.tar": "corrupt_archive",
@@ -85,6 +86,7 @@ def bad_corpus(tmp_path_factory, photos):
     _write(root / "c/icon.ico", _enc(p["coffee"].resize((64, 64)), "ICO"))
     _write(root / "c/bomb.png", _enc(Image.new("L", (2000, 2000)), "PNG"))
     _write(root / "c/tiny.png", _enc(p["coffee"].resize((12, 10)), "PNG"))
+    _write(root / "c/video.mp4", np.random.default_rng(1).bytes(2_500_000))
     _write(root / "c/wide.png", _enc(Image.new("RGB", (66000, 17), (10, 200, 30)), "PNG"))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
@@ -98,7 +100,8 @@ def bad_corpus(tmp_path_factory, photos):
 @pytest.fixture(scope="module")
 def bad_run(bad_corpus, tmp_path_factory, prepare):
     out = tmp_path_factory.mktemp("bad_out")
-    manifest = prepare(input=[str(bad_corpus)], output=str(out), size=SIZE, min_short_side=16, max_megapixels=1.5)
+    manifest = prepare(input=[str(bad_corpus)], output=str(out), size=SIZE, min_short_side=16, max_megapixels=1.5,
+                       max_file_mb=2)
     return out, manifest
 
 
@@ -182,7 +185,8 @@ def test_run_is_tracked_in_mlflow(bad_run):
 def test_rerun_gives_identical_outputs(bad_run, bad_corpus, prepare):
     out, manifest = bad_run
     before = {name: (out / name).read_bytes() for name in ("quarantine.jsonl", "duplicates.jsonl")}
-    again = prepare(input=[str(bad_corpus)], output=str(out), size=SIZE, min_short_side=16, max_megapixels=1.5)
+    again = prepare(input=[str(bad_corpus)], output=str(out), size=SIZE, min_short_side=16, max_megapixels=1.5,
+                    max_file_mb=2)
     assert again["shards"] == manifest["shards"]
     assert again["counts"] == manifest["counts"] and again["label_map"] == manifest["label_map"]
     assert {name: (out / name).read_bytes() for name in before} == before

@@ -86,6 +86,22 @@ def test_a_manifest_row_in_latin1_opens_its_file_instead_of_failing_the_manifest
     assert next(iter_items(str(tmp_path / "m.csv"))).labels == ("caf\\xe9",)
 
 
+def test_files_and_tar_members_above_the_byte_limit_are_not_read(tmp_path, jpeg):
+    from pipelines.sources import expand
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "ok.jpg").write_bytes(jpeg)
+    (tmp_path / "c" / "video.mp4").write_bytes(bytes(len(jpeg) + 1))
+    _tar(tmp_path / "a.tar", {"c/video.mp4": bytes(len(jpeg) + 1), "c/ok.jpg": jpeg})
+    for source in (tmp_path / "c", tmp_path / "a.tar"):
+        items = [it.materialize() for unit in plan(str(source)) for it in expand(unit, max_bytes=len(jpeg))]
+        ok, video = sorted(items, key=lambda it: "video.mp4" in it.uri)
+        assert ok.read() == jpeg  # exactly at the limit, and the member after a skipped one
+        with pytest.raises(BadImage) as exc:
+            video.read()
+        assert exc.value.reason == "too_large" and "max_file_mb" in exc.value.detail
+
+
 def _tar(path, members: dict[str, bytes], mode="w"):
     with tarfile.open(path, mode) as tf:
         for name, data in members.items():
