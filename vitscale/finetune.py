@@ -161,6 +161,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
     from pipelines.schema import ShardSet
     from vitscale import tracking
+    from vitscale.data import split_rows
     from vitscale.ray_utils import init_ray
 
     resolved = {}
@@ -177,12 +178,22 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
             raise ConfigError(f"{name}: {path} has no manifest.json; produce it with jobs/prepare.py --output {path}")
         resolved[name] = str(path)
     cfg = dataclasses.replace(cfg, **resolved)
-    train_map, test_map = ShardSet(cfg.train).label_map, ShardSet(cfg.test).label_map
+    train_set, test_set = ShardSet(cfg.train), ShardSet(cfg.test)
+    train_map, test_map = train_set.label_map, test_set.label_map
     if train_map != test_map:
         raise ConfigError(
             f"test: label map of {cfg.test} ({len(test_map)} labels) differs from train's ({len(train_map)}); "
             "prepare both splits with the same --label-map"
         )
+    # Refused here rather than as a DataLoader error inside every trial.
+    fit_rows, val_rows = split_rows(len(train_set), cfg.val_fraction, cfg.seed)
+    if len(fit_rows) == 0 or len(val_rows) == 0:
+        raise ConfigError(
+            f"train: {cfg.train} has {len(train_set)} rows, too few to hold out {cfg.val_fraction:g} of them for "
+            "choosing the learning rate and train on the rest; check its quarantine.jsonl or ingest more images"
+        )
+    if len(test_set) == 0:
+        raise ConfigError(f"test: {cfg.test} has no rows; check its quarantine.jsonl or ingest more images")
     output = Path(cfg.output).expanduser().resolve()
     output.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray_address)

@@ -144,13 +144,7 @@ def train_loop_per_worker(config: dict) -> None:
     held_out = holdout_mask(shard_keys(full.shards), cfg.holdout)
     train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode, rows=np.flatnonzero(~held_out), seed=cfg.seed)
     held_ds = ShardImageDataset(full.shards, eval_transform(cfg.img_size), label_mode=full.label_mode, rows=np.flatnonzero(held_out), seed=cfg.seed)
-    per_worker = max(1, cfg.batch_size // world)
-    steps_per_epoch = len(train_ds) // world // per_worker
-    if steps_per_epoch == 0:
-        raise ValueError(
-            f"{cfg.data}: {len(train_ds)} training rows cannot fill one batch of {per_worker} per worker "
-            f"on {world} workers; lower batch_size or num_workers"
-        )
+    per_worker, steps_per_epoch = steps_per_epoch_or_error(cfg.data, len(train_ds), cfg.batch_size, world)
     if cfg.loader == "ray_data":
         stream = ray.train.get_dataset_shard("train")
 
@@ -289,6 +283,18 @@ def ray_data_stream(cfg: PretrainConfig, shards):
     return read_shards(cfg.data, columns=columns).map_batches(decode, batch_format="numpy", batch_size=64)
 
 
+def steps_per_epoch_or_error(data: str, train_rows: int, batch_size: int, world: int) -> tuple[int, int]:
+    """(batch per worker, steps per epoch), or a ConfigError when the rows cannot fill one step."""
+    per_worker = max(1, batch_size // world)
+    steps = train_rows // world // per_worker
+    if steps == 0:
+        raise ConfigError(
+            f"data: {data}: {train_rows} training rows cannot fill one batch of {per_worker} per worker "
+            f"on {world} workers; lower batch_size or num_workers, or ingest more images"
+        )
+    return per_worker, steps
+
+
 def _config_error_from_workers(exc: BaseException) -> ConfigError | None:
     """A ConfigError raised on a worker (e.g. a refused resume), so the CLI reports it in one line."""
     failures = getattr(exc, "worker_failures", None) or {}
@@ -315,6 +321,11 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         raise ConfigError(f"data: {data} has no manifest.json; run jobs/prepare.py --output {data} first")
     shards = ShardSet(str(data))
     cfg = dataclasses.replace(cfg, data=str(data.resolve()))
+    from vitscale.data import holdout_mask, shard_keys
+
+    # Checked here too, before Ray starts, so the user gets one line instead of worker tracebacks.
+    train_rows = int((~holdout_mask(shard_keys(shards), cfg.holdout)).sum())
+    steps_per_epoch_or_error(str(data), train_rows, cfg.batch_size, cfg.num_workers)
     output = Path(cfg.output).expanduser().resolve()
     output.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray_address)

@@ -28,6 +28,19 @@ def test_missing_train_shards_are_named(tmp_path):
         run_finetune(cfg)
 
 
+def test_a_split_whose_every_image_was_quarantined_is_refused_before_ray(tmp_path, mlflow_store):
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    (tmp_path / "src" / "a" / "x.jpg").write_bytes(b"")  # quarantined: the shard set has no rows
+    run_prepare(PrepareConfig(input=[str(tmp_path / "src")], output=str(tmp_path / "empty"), workers=1))
+    cfg = FinetuneConfig(train=str(tmp_path / "empty"), test=str(tmp_path / "empty"), output=str(tmp_path / "o"))
+    with pytest.raises(ConfigError, match="train: .*empty has 0 rows, too few to hold out"):
+        run_finetune(cfg)
+    assert not (tmp_path / "o").exists()
+
+
 def test_selected_model_is_the_best_on_val_and_has_a_fresh_head(small_demo):
     fine = small_demo["summary"]["finetune"]
     best = max(fine["trials"], key=lambda r: r["val_accuracy"])

@@ -28,6 +28,13 @@ def test_missing_shards_is_a_clear_error(tmp_path):
         run_pretrain(PretrainConfig(data=str(tmp_path / "nowhere"), output=str(tmp_path / "o")))
 
 
+def test_too_few_rows_for_one_batch_is_refused_before_ray_starts(small_demo, tmp_path):
+    shards = small_demo["work"] / "shards" / "corpus"
+    with pytest.raises(ConfigError, match=r"training rows cannot fill one batch of 50000 per worker on 2 workers"):
+        run_pretrain(PretrainConfig(data=str(shards), output=str(tmp_path / "o"), batch_size=100_000, num_workers=2))
+    assert not (tmp_path / "o" / "ray").exists()  # refused before Ray Train made its run folder
+
+
 def test_mpp_objective_trains_and_saves_a_backbone(small_demo, tmp_path):
     shards = small_demo["work"] / "shards" / "corpus"
     cfg = PretrainConfig(
@@ -74,7 +81,8 @@ def test_ray_data_loader_streams_the_same_split(small_demo, tmp_path):
 
 def test_ray_data_loader_refuses_a_layout_that_would_stall(small_demo, tmp_path):
     shards = small_demo["work"] / "shards" / "corpus"
-    cfg = PretrainConfig(data=str(shards), output=str(tmp_path / "stall"), num_workers=4, loader="ray_data")
+    cfg = PretrainConfig(data=str(shards), output=str(tmp_path / "stall"), num_workers=4, loader="ray_data",
+                         batch_size=16)  # rows enough for a step, so the layout is what gets refused
     with pytest.raises(ConfigError, match="loader: ray_data needs CPUs for its data tasks"):
         run_pretrain(cfg)
 
