@@ -23,9 +23,10 @@ Each :class:`SourceItem` has the item's ``uri`` (a URL fsspec can open; tar
 members are ``tar://member::archive-url``), its label names and its bytes,
 read lazily by :meth:`SourceItem.read`. File, folder and member names that are
 not valid UTF-8 are read under their real names but recorded in their
-:func:`~pipelines.schema.text_uri` form, in the uri and in the labels alike. Reading failures are not exceptions of
-the enumeration: they surface as :class:`~pipelines.decode.BadImage` from
-``read()`` so that one bad file never stops a walk over a million.
+:func:`~pipelines.schema.text_uri` form, in the uri and in the labels alike.
+Reading failures are not exceptions of the enumeration: they surface as
+:class:`~pipelines.decode.BadImage` from ``read()`` so that one bad file never
+stops a walk over a million.
 
 The work is split into :class:`Unit` s (a chunk of files, one archive, one
 shard) so the Beam pipeline can read units in parallel; :func:`iter_items`
@@ -114,9 +115,10 @@ def _is_hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-def _too_large(uri: str, size: int | None, max_bytes: int) -> BadImage:
+def _too_large_detail(uri: str, size: int | None, max_bytes: int) -> str:
+    """The ``too_large`` detail: the size when known, else that the file passed the limit."""
     what = f"{size / 1e6:.1f} MB" if size is not None else f"more than {max_bytes / 1e6:g} MB"
-    return BadImage("too_large", text_uri(f"{uri}: {what}, above max_file_mb={max_bytes / 1e6:g}; not read further"))
+    return text_uri(f"{uri}: {what}, above max_file_mb={max_bytes / 1e6:g}; not read further")
 
 
 def _read_url(url: str, max_bytes: int | None = None) -> bytes:
@@ -124,20 +126,17 @@ def _read_url(url: str, max_bytes: int | None = None) -> bytes:
         import fsspec
 
         with fsspec.open(url, "rb") as f:
-            if max_bytes is None:
-                return f.read()
-            data = f.read(max_bytes + 1)  # no size query: one request less on object stores
-        if len(data) > max_bytes:
-            raise _too_large(url, None, max_bytes)
-        return data
-    except BadImage:
-        raise
+            # Reads one byte past the limit instead of asking the size: one request less on object stores.
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
     except FileNotFoundError:
         raise BadImage("unreadable", f"{text_uri(url)}: file not found") from None
     except IsADirectoryError:
         raise BadImage("unreadable", f"{text_uri(url)}: is a directory, not a file") from None
     except Exception as exc:
         raise BadImage("unreadable", text_uri(f"{url}: cannot be read ({type(exc).__name__}: {exc})")) from None
+    if max_bytes is not None and len(data) > max_bytes:
+        raise BadImage("too_large", _too_large_detail(url, None, max_bytes))
+    return data
 
 
 def _text_labels(labels: tuple[str, ...]) -> tuple[str, ...]:
@@ -334,8 +333,8 @@ def _expand_tar(url: str, default_labels: tuple[str, ...], max_bytes: int | None
                 members += 1
                 if max_bytes is not None and member.size > max_bytes:
                     # The stream skips the member's data when it moves on; nothing is read.
-                    exc = _too_large(uri, member.size, max_bytes)
-                    yield SourceItem(text_uri(uri), _text_labels(labels), error=(exc.reason, exc.detail))
+                    error = ("too_large", _too_large_detail(uri, member.size, max_bytes))
+                    yield SourceItem(text_uri(uri), _text_labels(labels), error=error)
                     continue
                 f = archive.extractfile(member)
                 data = f.read() if f is not None else b""

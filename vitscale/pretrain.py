@@ -314,6 +314,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
 
     from pipelines.schema import ShardSet
     from vitscale import tracking
+    from vitscale.data import holdout_mask, shard_keys
     from vitscale.ray_utils import init_ray
 
     data = Path(cfg.data).expanduser()
@@ -321,8 +322,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         raise ConfigError(f"data: {data} has no manifest.json; run jobs/prepare.py --output {data} first")
     shards = ShardSet(str(data))
     cfg = dataclasses.replace(cfg, data=str(data.resolve()))
-    from vitscale.data import holdout_mask, shard_keys
-
     # Checked here too, before Ray starts, so the user gets one line instead of worker tracebacks.
     train_rows = int((~holdout_mask(shard_keys(shards), cfg.holdout)).sum())
     steps_per_epoch_or_error(str(data), train_rows, cfg.batch_size, cfg.num_workers)
