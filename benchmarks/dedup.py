@@ -25,7 +25,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 import numpy as np
 
 from dedup import signatures as sig
-from dedup.calibration import DEFAULT_THRESHOLD
+from dedup.index import DEFAULT_THRESHOLD
 from dedup.index import TestSetIndex
 
 

@@ -2,9 +2,9 @@
 
 * ``folder_loop`` (baseline): what a script without shards does — open each JPEG/PNG file from
   the image folder, decode, augment, stack.
-* ``shards``: ``vitscale.data.ShardImageDataset`` over memory-mapped Arrow shards (the default
+* ``shards``: ``training.data.ShardImageDataset`` over memory-mapped Arrow shards (the default
   ``--loader shards`` of ``jobs/pretrain.py``), through a torch DataLoader.
-* ``ray_data``: ``pipelines.ray_source.read_shards`` + ``vitscale.data.DecodeBatch`` as Ray Data
+* ``ray_data``: ``pipelines.ray_source.read_shards`` + ``training.data.DecodeBatch`` as Ray Data
   tasks, consumed with ``iter_torch_batches`` (``--loader ray_data``). Ray Data once ran 2.7x
   slower than a DataLoader with transforms (ray issue #37499), so it is measured, not assumed.
   Its first pass pays Ray Data's start-up; the figure is the second (steady-state) pass.
@@ -33,7 +33,7 @@ from PIL import Image  # noqa: E402
 
 def make_folder(root: Path, n: int, size: int) -> Path:
     """``n`` real-photo crops in class folders (the demo's generator), saved at ``size`` px."""
-    from vitscale.demo_data import PHOTO_SOURCES, photo, random_crop
+    from demo.data import PHOTO_SOURCES, photo, random_crop
 
     rng = np.random.default_rng(0)
     folder = root / "images"
@@ -48,7 +48,7 @@ def make_folder(root: Path, n: int, size: int) -> Path:
 
 
 def folder_loop(folder: Path, img_size: int, batch: int) -> float:
-    from vitscale.data import train_transform
+    from training.data import train_transform
 
     files = sorted(p for p in folder.rglob("*.jpg"))
     t = train_transform(img_size)
@@ -61,7 +61,7 @@ def folder_loop(folder: Path, img_size: int, batch: int) -> float:
 
 
 def shards_loader(shards: str, img_size: int, batch: int) -> float:
-    from vitscale.data import ShardImageDataset, train_transform
+    from training.data import ShardImageDataset, train_transform
 
     ds = ShardImageDataset(shards, train_transform(img_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, drop_last=True)
@@ -73,7 +73,7 @@ def shards_loader(shards: str, img_size: int, batch: int) -> float:
 
 def ray_data_loader(shards: str, img_size: int, batch: int, num_classes: int) -> float:
     from pipelines.ray_source import read_shards
-    from vitscale.data import DecodeBatch, normalize
+    from training.data import DecodeBatch, normalize
 
     decode = DecodeBatch(img_size, label_mode="single", num_classes=num_classes, holdout=0.0)
     ds = read_shards(shards, columns=["key", "image", "format", "height", "width", "labels"])
@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
     from pipelines.schema import ShardSet
-    from vitscale.ray_utils import init_ray
+    from training.ray_utils import init_ray
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,7 @@ image's signature ``q``:
 (a) one of the 6 leading 21-bit blocks of ``q`` and ``v`` differs in at most 1
     bit (the *block condition*), and
 (b) ``q`` and ``v`` differ in at most ``threshold`` of 128 bits (default
-    ``calibration.DEFAULT_THRESHOLD`` = 28).
+    ``index.DEFAULT_THRESHOLD`` = 28).
 
 The search (``TestSetIndex.search``/``match``) is exact for this rule: it finds
 every pair the rule accepts and no other, and ``TestSetIndex.brute_force``

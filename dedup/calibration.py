@@ -69,9 +69,9 @@ import numpy as np
 from PIL import Image
 
 from dedup import signatures as sig
+from dedup.index import DEFAULT_THRESHOLD
 from dedup.transforms import RANDOM_TRANSFORMS, TRANSFORMS, apply
 
-DEFAULT_THRESHOLD = 28
 TARGET_RECALL = 0.98
 TARGET_FMR = 1e-4
 
@@ -289,7 +289,7 @@ def run(out_dir: str | os.PathLike, *, source: str | None = None, holdout: bool 
         raise ValueError(f"--holdout splits the bundled photo pool by source photograph; with --source {source!r}, "
                          "calibrate a held-out source of your own instead (a second run with --source)")
     if source:
-        from dedup.registry import iter_images
+        from pipelines.testsets import iter_images
 
         sets = {"all": [item.image for item in iter_images(source) if item.image is not None]}
     else:
@@ -305,7 +305,7 @@ def run(out_dir: str | os.PathLike, *, source: str | None = None, holdout: bool 
         cals[name] = calibrate(images, repeats=repeats)
         pngs[name] = _write(cals[name], out / name if len(sets) > 1 else out, f"{name}: {len(images)} images")
     if log_mlflow:
-        from vitscale import tracking
+        from common import tracking
 
         with tracking.start_run("dedup-calibration", params={
                 "images": {k: c.n_images for k, c in cals.items()}, "source": source or "photo_pool",

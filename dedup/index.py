@@ -63,12 +63,8 @@ BLOCK_BITS = 21
 BLOCKS = sig.CODE_BITS // BLOCK_BITS
 BLOCK_RADIUS = 1
 INDEX_FORMAT = 1
-
-
-def default_threshold() -> int:
-    from dedup.calibration import DEFAULT_THRESHOLD
-
-    return DEFAULT_THRESHOLD
+# Hamming bits for (b); chosen on the calibration pool (dedup.calibration), checked on held-out photos.
+DEFAULT_THRESHOLD = 28
 
 
 class Match(NamedTuple):
@@ -155,7 +151,7 @@ class TestSetIndex:
     __test__ = False  # not a pytest class
 
     def __init__(self, *, threshold: int | None = None):
-        self.threshold = default_threshold() if threshold is None else int(threshold)
+        self.threshold = DEFAULT_THRESHOLD if threshold is None else int(threshold)
         if not 0 <= self.threshold < sig.CODE_BITS:
             raise ValueError(f"threshold={threshold}: expected 0..{sig.CODE_BITS - 1} bits of {sig.CODE_BITS}")
         self.test_set: list[str] = []
@@ -223,28 +219,9 @@ class TestSetIndex:
     def add_quarantine(self, item: Quarantined) -> None:
         self.quarantine.append(item)
 
-    def add_source(self, test_set: str, source: str) -> dict[str, int]:
-        """Index every image of ``source`` not yet indexed under ``test_set``; bad images are quarantined.
-
-        Returns counts ``{"seen", "added", "already_indexed", "quarantined"}``.
-        """
-        from dedup import registry
-
-        counts = {"seen": 0, "added": 0, "already_indexed": 0, "quarantined": 0}
-        known_bad = {(q.test_set, q.key) for q in self.quarantine}
-        for item in registry.iter_images(source):
-            counts["seen"] += 1
-            if (test_set, item.key) in self._keys:
-                counts["already_indexed"] += 1
-            elif item.error is not None:
-                if (test_set, item.key) not in known_bad:
-                    self.add_quarantine(Quarantined(test_set, item.key, item.uri, *item.error))
-                counts["quarantined"] += 1
-            else:
-                self.add(test_set, item.key, item.image, source=item.uri)
-                counts["added"] += 1
-        self.commit()
-        return counts
+    def has_key(self, test_set: str, key: str) -> bool:
+        """Whether ``key`` is already indexed under ``test_set``."""
+        return (test_set, key) in self._keys
 
     def commit(self) -> None:
         """Close the current version of every test set that received records."""
@@ -460,18 +437,3 @@ def _write_records(path: Path, index: TestSetIndex, name: str, version: int, row
     with pa.OSFile(os.fsencode(tmp), "wb") as sink, ipc.new_file(sink, schema) as writer:
         writer.write_table(table)
     tmp.replace(path)
-
-
-def build_test_set_index(test_sets: dict[str, str], *, threshold: int | None = None,
-                         base: TestSetIndex | None = None) -> TestSetIndex:
-    """Index every image of each test set (name -> source); bad images are quarantined, not fatal.
-
-    ``base`` makes the build incremental: images already in it are skipped and new
-    ones go into a new version of their test set.
-    """
-    index = base if base is not None else TestSetIndex(threshold=threshold)
-    for name, source in test_sets.items():
-        if not name or "=" in name:
-            raise ValueError(f"test set name {name!r}: expected a non-empty name without '=' (name=source)")
-        index.add_source(name, source)
-    return index

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from common.fs import atomic_write
 from dedup import signatures as sig
 from dedup.index import TestSetIndex
 
@@ -65,12 +66,6 @@ def _load_state(path: Path, index: TestSetIndex) -> dict:
     if state.get("rule") != index.rule_id():  # another threshold, signature or variant set: re-check all
         return fresh
     return state
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 def read_removed(shard_dir: str | os.PathLike) -> dict[str, dict]:
@@ -145,5 +140,5 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
             for m in new_matches:
                 f.write(json.dumps(m) + "\n")
     if pairs:
-        _atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True))
+        atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True))
     return RescanResult(len(manifest.get("shards", [])), checked, pairs, rows, new_matches, per_set)

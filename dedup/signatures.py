@@ -18,7 +18,7 @@ crops a corpus copy may have had (``CROP_VARIANTS``), and a corpus image
 matches when it is close to any of them (the match rule: :mod:`dedup.index`).
 
 The default threshold and the measured recall and false-match rate are recorded
-in :mod:`dedup.calibration` (``DEFAULT_THRESHOLD`` there, used by the index).
+in :mod:`dedup.calibration`; the threshold is ``dedup.index.DEFAULT_THRESHOLD``.
 """
 from __future__ import annotations
 

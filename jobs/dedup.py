@@ -15,7 +15,7 @@ import sys
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 from dedup.job import DedupConfig, run
-from vitscale.config import parse_args
+from common.config import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vitscale.config import parse_args  # noqa: E402
-from vitscale.demo import DemoConfig, format_table, run_demo  # noqa: E402
+from common.config import parse_args  # noqa: E402
+from demo.run import DemoConfig, format_table, run_demo  # noqa: E402
 
 
 def main(argv=None) -> int:

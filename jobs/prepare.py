@@ -10,8 +10,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from vitscale.config import parse_args  # noqa: E402
-from vitscale.text import utf8_text  # noqa: E402
+from common.config import parse_args  # noqa: E402
+from common.text import utf8_text  # noqa: E402
 
 from pipelines.config import PrepareConfig  # noqa: E402
 from pipelines.ingest import AccountingError, PrepareError, run_prepare  # noqa: E402

@@ -8,8 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vitscale.cli import run_job  # noqa: E402
-from vitscale.pretrain import PretrainConfig, run_pretrain  # noqa: E402
+from common.cli import run_job  # noqa: E402
+from training.pretrain import PretrainConfig, run_pretrain  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_job(PretrainConfig, run_pretrain, prog="pretrain"))

@@ -5,9 +5,15 @@ import dataclasses
 import os
 from typing import Literal
 
-from vitscale.config import check
+from common.config import check, parse_named
 
 from pipelines.decode import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_MEGAPIXELS
+
+
+def parse_test_sets(specs: list[str], field_name: str = "test_set") -> dict[str, str]:
+    """``--test-set NAME=SRC`` as an ordered mapping; ``corpus`` names in-corpus duplicates, so it is reserved."""
+    return parse_named(specs, field_name, example="cifar10=/data/cifar10/test",
+                       reserved={"corpus": "'corpus' is reserved for in-corpus duplicates"})
 
 
 def _default_workers() -> int:
@@ -89,20 +95,10 @@ class PrepareConfig:
         check(self.max_file_mb > 0, "max_file_mb", f"must be positive, got {self.max_file_mb}")
         check(self.min_short_side >= 0, "min_short_side", f"must be >= 0, got {self.min_short_side}")
         check(self.shard_mb > 0, "shard_mb", f"must be positive, got {self.shard_mb}")
-        names = []
-        for spec in self.test_set:
-            name, sep, source = spec.partition("=")
-            check(
-                bool(sep and name.strip() and source.strip()),
-                "test_set",
-                f"{spec!r}: expected NAME=SRC, e.g. cifar10=/data/cifar10/test",
-            )
-            check(name.strip() != "corpus", "test_set", f"{spec!r}: 'corpus' is reserved for in-corpus duplicates")
-            names.append(name.strip())
-        check(len(names) == len(set(names)), "test_set", f"test set names must be unique, got {names}")
+        self.test_sets()
         for opt in self.beam_options:
             check(opt.startswith("--"), "beam_options", f"{opt!r}: expected --name=value")
 
     def test_sets(self) -> dict[str, str]:
         """``--test-set`` as an ordered mapping name -> source."""
-        return {s.partition("=")[0].strip(): s.partition("=")[2].strip() for s in self.test_set}
+        return parse_test_sets(self.test_set)

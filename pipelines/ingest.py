@@ -43,6 +43,8 @@ import time
 import uuid
 from typing import Any, Iterable, Iterator, Mapping
 
+from common.config import InputError
+from common.fs import atomic_open, atomic_write, url_to_fs as _fs
 from pipelines import local_runner, schema
 from pipelines.config import PrepareConfig
 from pipelines.process import ProcessOptions, process_item, reject
@@ -63,53 +65,8 @@ class AccountingError(RuntimeError):
     """``inputs != written + rejected + duplicates``: an item was lost or counted twice."""
 
 
-class PrepareError(ValueError):
+class PrepareError(InputError):
     """A usage error found before the pipeline starts (missing input, bad label map, output inside an input)."""
-
-
-# -- small filesystem helpers ------------------------------------------------------------------
-
-def _fs(url: str):
-    import fsspec
-
-    fs, path = fsspec.core.url_to_fs(url)
-    return fs, path.rstrip("/")
-
-
-@contextlib.contextmanager
-def atomic_open(fs, path: str) -> Iterator[Any]:
-    """A binary file that appears at ``path`` only once it is completely written and closed.
-
-    It is written under a temporary name and renamed (after an fsync on local disks); if the
-    block raises, the temporary file is removed and ``path`` is untouched.
-    """
-    tmp = f"{path}{schema.TMP_MARKER}{uuid.uuid4().hex}"
-    local = type(fs).__name__ == "LocalFileSystem"
-    try:
-        with (open(tmp, "wb") if local else fs.open(tmp, "wb")) as f:
-            yield f
-            if local:
-                f.flush()
-                os.fsync(f.fileno())
-    except BaseException:
-        try:
-            if local:
-                os.remove(tmp)
-            else:
-                fs.rm(tmp)
-        except OSError:
-            pass
-        raise
-    if local:
-        os.replace(tmp, path)
-    else:
-        fs.mv(tmp, path)
-
-
-def atomic_write(fs, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` under a temporary name, then rename: readers never see a partial file."""
-    with atomic_open(fs, path) as f:
-        f.write(data)
 
 
 class _Digest:
@@ -256,7 +213,7 @@ def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, 
     fs, root = _fs(out_url)
     # Streamed in batches: besides the grouped records themselves, only one batch of
     # rows is ever held as Arrow arrays, and the file's bytes are never held whole.
-    with atomic_open(fs, f"{root}/{name}") as f, Blobs(staging_url) as blobs:
+    with atomic_open(f"{root}/{name}", fs) as f, Blobs(staging_url) as blobs:
         sink = _Digest(f)
         with ipc.new_file(pa.PythonFile(sink, mode="w"), schema.SCHEMA) as writer:
             for start in range(0, len(kept), schema.BATCH_ROWS):
@@ -280,7 +237,7 @@ def _write_outputs(rows: list[dict], url: str) -> None:
     # Small rows only (counts, quarantine, duplicates, shard entries), so one
     # file written through fsspec: any filesystem the shards can go to.
     fs, path = _fs(url)
-    atomic_write(fs, path, _jsonl(rows))
+    atomic_write(path, _jsonl(rows), fs)
 
 
 def _direct(cfg: PrepareConfig) -> bool:
@@ -485,8 +442,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     """
     import apache_beam as beam
 
-    from vitscale import config as vconfig
-    from vitscale import tracking
+    from common import config as vconfig
+    from common import tracking
 
     units = plan_inputs(cfg)
     label_map = load_label_map(cfg.label_map) if cfg.label_map else None
@@ -513,7 +470,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     with tracking.start_run("prepare", params=params) as run:
         index = None
         if test_sets:
-            from dedup.index import build_test_set_index
+            from pipelines.testsets import build_test_set_index
 
             t_index = time.perf_counter()
             index = build_test_set_index(test_sets)
@@ -556,14 +513,14 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         manifest["mlflow_run_id"] = run.info.run_id
         manifest["config"] = params
 
-        atomic_write(fs, f"{root}/{schema.QUARANTINE}", _jsonl(quarantine))
-        atomic_write(fs, f"{root}/{schema.DUPLICATES}", _jsonl(duplicates))
+        atomic_write(f"{root}/{schema.QUARANTINE}", _jsonl(quarantine), fs)
+        atomic_write(f"{root}/{schema.DUPLICATES}", _jsonl(duplicates), fs)
         keep = {s["path"] for s in manifest["shards"]}
         for path in fs.glob(f"{root}/shard-*.arrow"):
             if path.rsplit("/", 1)[-1] not in keep:
                 fs.rm(path)  # a shard of an earlier run with more shards
         fs.rm(staging, recursive=True)
-        atomic_write(fs, f"{root}/{schema.MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
+        atomic_write(f"{root}/{schema.MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode(), fs)
 
         counts = manifest["counts"]
         metrics = {

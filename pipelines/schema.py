@@ -50,7 +50,9 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 # The source column's text contract: names that are not UTF-8 are written with \xNN escapes.
-from vitscale.text import utf8_text as text_uri
+from common.config import InputError
+from common.fs import TMP_MARKER, url_to_fs as _fs  # noqa: F401  (TMP_MARKER: part of the layout)
+from common.text import utf8_text as text_uri
 
 SCHEMA_VERSION = 1
 
@@ -87,14 +89,13 @@ QUARANTINE = "quarantine.jsonl"
 DUPLICATES = "duplicates.jsonl"
 REMOVED = "removed.jsonl"
 SHARD_PATTERN = "shard-{index:05d}.arrow"
-TMP_MARKER = ".tmp-"  # partial files are written as <final name>.tmp-<uuid>, then renamed
 
 # Rows per record batch inside a shard: small enough that streaming a shard
 # does not pull it all into memory, large enough to keep per-batch overhead low.
 BATCH_ROWS = 1024
 
 
-class ShardSetError(ValueError):
+class ShardSetError(InputError):
     """A shard set that cannot be read as it is; the message names the file and the fix."""
 
 
@@ -147,15 +148,6 @@ def read_removed(directory: str | os.PathLike, fs=None) -> frozenset[str]:
                 raise ShardSetError(f'{path}:{lineno}: expected {{"key": "..."}} or a JSON string, got {line[:80]!r}')
             keys.add(key)
     return frozenset(keys)
-
-
-def _fs(directory: str | os.PathLike, fs=None):
-    if fs is not None:
-        return fs, str(directory).rstrip("/")
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(str(directory))
-    return fs, root.rstrip("/")
 
 
 class ShardSet:

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 
 import apache_beam as beam
 
-from pipelines.ingest import _fs
+from common.fs import url_to_fs as _fs
 
 DIR = "blobs"
 BLOB = "blob"  # the record field: (file name, offset, length)

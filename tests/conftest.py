@@ -132,7 +132,7 @@ def ray_session():
     """
     import ray
 
-    from vitscale.ray_utils import init_ray
+    from training.ray_utils import init_ray
 
     init_ray(num_cpus=4)
     yield ray
@@ -153,7 +153,7 @@ def mlflow_store(tmp_path, monkeypatch):
 def mlflow_client():
     import mlflow
 
-    from vitscale import tracking
+    from common import tracking
 
     return mlflow.MlflowClient(tracking.tracking_uri())
 
@@ -168,7 +168,7 @@ SMALL_DEMO = dict(
 @pytest.fixture(scope="session")
 def small_demo(tmp_path_factory, ray_session):
     """Run the whole demo chain once (Beam → Ray Train → Ray Tune → MLflow) and share its outputs."""
-    from vitscale.demo import DemoConfig, run_demo
+    from demo.run import DemoConfig, run_demo
 
     work = tmp_path_factory.mktemp("demo")
     mp = pytest.MonkeyPatch()

@@ -48,7 +48,7 @@ auth_db=""
 
 case "$mode" in
   local)
-    # The same layout as vitscale/tracking.py's default store, so runs already logged by
+    # The same layout as common/tracking.py's default store, so runs already logged by
     # `make demo` or a job without MLFLOW_TRACKING_URI show up.
     home_dir="$(python3 -c 'import os, sys; print(os.path.abspath(sys.argv[1]))' "${VITSCALE_HOME:-mlruns}")"
     ((dry_run)) || mkdir -p "$home_dir/artifacts"

@@ -1,6 +1,7 @@
 import pytest
 
-from dedup.calibration import DEFAULT_THRESHOLD, HOLDOUT_PHOTOS, calibrate, main, plot, split_pool
+from dedup.index import DEFAULT_THRESHOLD
+from dedup.calibration import HOLDOUT_PHOTOS, calibrate, main, plot, split_pool
 
 
 def test_calibration_reports_every_transform_and_plots(tmp_path, tiles):

@@ -7,7 +7,8 @@ import pyarrow.ipc as ipc
 import pytest
 
 from dedup import signatures as sig
-from dedup.index import IndexOutdated, TestSetIndex, build_test_set_index
+from dedup.index import IndexOutdated, TestSetIndex
+from pipelines.testsets import add_source, build_test_set_index
 
 
 def _random_index(n=3000, seed=0, threshold=32):
@@ -93,7 +94,7 @@ def test_bad_test_images_are_quarantined_not_fatal(tmp_path, photos):
     assert index.counts() == {"mixed": 2}
     assert len(index.quarantine) == 3
     assert all(q.reason and q.test_set == "mixed" for q in index.quarantine)
-    counts = index.add_source("mixed", str(src))  # rebuild: nothing new is decoded into the index
+    counts = add_source(index, "mixed", str(src))  # rebuild: nothing new is decoded into the index
     assert counts["added"] == 0 and counts["already_indexed"] == 2 and counts["quarantined"] == 3
     assert len(index.quarantine) == 3
 

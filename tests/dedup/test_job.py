@@ -9,7 +9,7 @@ import pytest
 
 from dedup.job import DedupConfig, run
 from dedup.transforms import apply
-from vitscale.config import ConfigError
+from common.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,7 +3,7 @@ import pytest
 from PIL import Image
 
 from dedup import signatures as sig
-from dedup.calibration import DEFAULT_THRESHOLD
+from dedup.index import DEFAULT_THRESHOLD
 from dedup.index import TestSetIndex
 from dedup.transforms import TRANSFORMS, apply
 

@@ -4,8 +4,8 @@ import json
 import mlflow
 import pyarrow.ipc as ipc
 
-from vitscale import tracking
-from vitscale.demo import format_table
+from common import tracking
+from demo.run import format_table
 
 
 def test_ingest_counts_reconcile_and_planted_copies_are_dropped(small_demo):

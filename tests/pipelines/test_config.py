@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.config import PrepareConfig
-from vitscale.config import ConfigError, from_dict, load_file
+from common.config import ConfigError, from_dict, load_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
     ("quality", 0, "quality"),
     ("workers", 0, "workers"),
     ("max_long_side", 100, "max_long_side"),
-    ("test_set", ["a=/x", "a=/y"], "unique"),
+    ("test_set", ["a=/x", "a=/y"], "given twice"),
     ("test_set", ["corpus=/x"], "reserved"),
     ("store", "png", "store"),
     ("beam_options", ["project=x"], "--name=value"),

@@ -167,7 +167,7 @@ def test_shards_are_arrow_ipc_files_with_the_schema_columns(bad_run):
 
 
 def test_run_is_tracked_in_mlflow(bad_run):
-    from vitscale import tracking
+    from common import tracking
 
     _, manifest = bad_run
     run = tracking.get_run(manifest["mlflow_run_id"])
@@ -424,7 +424,7 @@ def test_a_record_lost_in_the_shuffle_is_caught_and_the_pipeline_run_again(tmp_p
                                                                            caplog, workers):
     import mlflow
 
-    from vitscale import tracking
+    from common import tracking
 
     src, out = tmp_path / "src", tmp_path / "out"
     for name in ("astronaut", "chelsea", "coffee", "rocket"):

@@ -7,10 +7,10 @@ import mlflow
 import pytest
 
 import vitcore
-from vitscale import tracking
-from vitscale.config import ConfigError
-from vitscale.pretrain import PretrainConfig, run_pretrain
-from vitscale.training import effective_warmup, lr_at
+from common import tracking
+from common.config import ConfigError
+from training.pretrain import PretrainConfig, run_pretrain
+from training.loop import effective_warmup, lr_at
 
 
 def test_schedule_warms_up_then_decays():
@@ -65,7 +65,7 @@ def test_rerun_resumes_from_the_last_checkpoint(small_demo, tmp_path):
 
 def test_ray_data_loader_streams_the_same_split(small_demo, tmp_path):
     from pipelines.schema import ShardSet
-    from vitscale.data import holdout_mask, shard_keys
+    from training.data import holdout_mask, shard_keys
 
     shards = small_demo["work"] / "shards" / "corpus"
     cfg = PretrainConfig(
@@ -88,7 +88,7 @@ def test_ray_data_loader_refuses_a_layout_that_would_stall(small_demo, tmp_path)
 
 
 def test_holdout_split_depends_on_keys_only():
-    from vitscale.data import holdout_mask
+    from training.data import holdout_mask
 
     keys = [f"{i:020x}" for i in range(5000)]
     mask = holdout_mask(keys, 0.1)
@@ -98,7 +98,7 @@ def test_holdout_split_depends_on_keys_only():
 
 
 def test_resuming_under_a_different_recipe_is_refused():
-    from vitscale.pretrain import check_resumable
+    from training.pretrain import check_resumable
 
     saved = {"lr": 0.001, "epochs": 1, "holdout": 0.02, "run_name": "r"}
     check_resumable(saved, {**saved, "epochs": 5})  # more epochs: fine

@@ -22,7 +22,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
-from vitscale.config import ConfigError, check
+from common.config import ConfigError, check
 
 SCHEDULES = ("linear", "cosine")
 MODEL_FILE = "model.safetensors"
@@ -128,10 +128,10 @@ def train_loop_per_worker(config: dict) -> None:
 
     import vitcore
     from vitcore.variants import decode_variant
-    from vitscale import tracking
-    from vitscale.training import (all_reduce_sum, autocast, classification_loss, effective_warmup, evaluate,
+    from common import tracking
+    from training.loop import (all_reduce_sum, autocast, classification_loss, effective_warmup, evaluate,
                                    lr_at, set_lr, unwrap, update)
-    from vitscale.data import ShardImageDataset, eval_transform, holdout_mask, normalize, shard_keys, train_transform
+    from training.data import ShardImageDataset, eval_transform, holdout_mask, normalize, shard_keys, train_transform
 
     cfg = PretrainConfig(**config["cfg"])
     ctx = ray.train.get_context()
@@ -268,7 +268,7 @@ def ray_data_stream(cfg: PretrainConfig, shards):
     import ray
 
     from pipelines.ray_source import read_shards
-    from vitscale.data import DecodeBatch
+    from training.data import DecodeBatch
 
     total = int(ray.cluster_resources().get("CPU", 0))
     reserved = cfg.num_workers * cfg.cpus_per_worker
@@ -313,9 +313,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
 
     from pipelines.schema import ShardSet
-    from vitscale import tracking
-    from vitscale.data import holdout_mask, shard_keys
-    from vitscale.ray_utils import init_ray
+    from common import tracking
+    from training.data import holdout_mask, shard_keys
+    from training.ray_utils import init_ray
 
     data = Path(cfg.data).expanduser()
     if not (data / "manifest.json").is_file():

@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from vitscale.data import eval_transform, inception_crop, split_rows, train_transform
+from training.data import eval_transform, inception_crop, split_rows, train_transform
 
 
 def _photo():
-    from vitscale.demo_data import photo
+    from demo.data import photo
 
     return np.asarray(photo("skimage", "chelsea.png"))
 

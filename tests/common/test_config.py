@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from vitscale.config import ConfigError, from_dict, parse_args
-from vitscale.finetune import FinetuneConfig
-from vitscale.pretrain import PretrainConfig
+from common.config import ConfigError, from_dict, parse_args
+from training.finetune import FinetuneConfig
+from training.pretrain import PretrainConfig
 
 
 def test_file_then_flags_override(tmp_path):
@@ -53,6 +53,6 @@ def test_missing_and_malformed_config_files(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("data: [unclosed\n")
     with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
-        from vitscale.config import load_file
+        from common.config import load_file
 
         load_file(bad)

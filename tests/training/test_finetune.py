@@ -3,8 +3,8 @@
 import pytest
 
 import vitcore
-from vitscale.config import ConfigError
-from vitscale.finetune import FinetuneConfig, run_finetune
+from common.config import ConfigError
+from training.finetune import FinetuneConfig, run_finetune
 
 
 def test_missing_pretrained_model_is_named(small_demo, tmp_path):

@@ -5,7 +5,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence, TypeVar
 
-from vitscale.config import ConfigError, parse_args
+from common.config import InputError, parse_args
 
 T = TypeVar("T")
 
@@ -14,16 +14,13 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     """Parse ``argv`` into ``cls``, call ``runner``, print its JSON summary.
 
     Usage and config errors (including missing or malformed input paths, which the
-    libraries raise as ``ConfigError``, ``PrepareError`` or ``ShardSetError``) exit 2 with one line that
+    libraries raise as subclasses of ``InputError``) exit 2 with one line that
     names the field or file; anything else is a real failure and keeps its traceback.
     """
-    from pipelines.ingest import PrepareError
-    from pipelines.schema import ShardSetError
-
     cfg = parse_args(cls, argv, prog=prog)
     try:
         result = runner(cfg)
-    except (ConfigError, PrepareError, ShardSetError) as exc:
+    except InputError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     if result is not None:

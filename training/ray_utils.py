@@ -18,7 +18,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
     - Otherwise: start Ray in-process on loopback only (:func:`_loopback_node`), without
       the dashboard.
 
-    Workers import this repository's packages (``vitcore``, ``pipelines``, ``vitscale``), so
+    Workers import this repository's packages (``common``, ``vitcore``, ``pipelines``, ``training``), so
     an in-process start puts the repository root on their ``PYTHONPATH``.
     """
     import ray

@@ -21,8 +21,8 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from vitscale.config import ConfigError, check
-from vitscale.pretrain import MODEL_FILE
+from common.config import ConfigError, check
+from training.pretrain import MODEL_FILE
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 
@@ -89,9 +89,9 @@ def finetune_trial(config: dict) -> None:
 
     import vitcore
     from pipelines.schema import ShardSet
-    from vitscale import tracking
-    from vitscale.data import ShardImageDataset, eval_transform, split_rows, train_transform
-    from vitscale.training import autocast, effective_warmup, evaluate, lr_at, set_lr, update
+    from common import tracking
+    from training.data import ShardImageDataset, eval_transform, split_rows, train_transform
+    from training.loop import autocast, effective_warmup, evaluate, lr_at, set_lr, update
 
     cfg = FinetuneConfig(**config["cfg"])
     lr = float(config["lr"])
@@ -160,9 +160,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     from ray import tune
 
     from pipelines.schema import ShardSet
-    from vitscale import tracking
-    from vitscale.data import split_rows
-    from vitscale.ray_utils import init_ray
+    from common import tracking
+    from training.data import split_rows
+    from training.ray_utils import init_ray
 
     resolved = {}
     for name in ("train", "test", "pretrained"):

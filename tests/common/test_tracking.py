@@ -3,7 +3,7 @@ import os
 
 import mlflow
 
-from vitscale import tracking
+from common import tracking
 
 
 def test_runs_nest_and_record_params_and_metrics(mlflow_store):

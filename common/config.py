@@ -15,14 +15,22 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Sequence, TypeVar, get_args, get_origin
+from typing import Any, Literal, Mapping, Sequence, TypeVar, get_args, get_origin
 
 import yaml
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """A problem with what the user gave a job (a config value, a path, a file's content).
+
+    Entrypoints print its message as one line and exit 2; the message names the input and the fix.
+    Each layer's usage errors (``PrepareError``, ``ShardSetError``, ...) derive from it.
+    """
+
+
+class ConfigError(InputError):
     """A config value is missing, unknown or of the wrong type; the message names the field."""
 
 
@@ -211,3 +219,22 @@ def check(condition: bool, field_name: str, message: str) -> None:
     """Raise ConfigError for ``field_name`` unless ``condition``; for use in ``__post_init__``."""
     if not condition:
         raise ConfigError(f"{field_name}: {message}")
+
+
+def parse_named(specs: Sequence[str], field_name: str, *, example: str,
+                reserved: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``["NAME=VALUE", ...]`` -> ``{NAME: VALUE}`` in order: the one rule for every ``NAME=SRC`` flag.
+
+    Names and values are stripped and must be non-empty; a name may appear once, and a
+    name in ``reserved`` is refused with the reason given there. Errors are ``ConfigError``
+    naming the flag and the spec.
+    """
+    out: dict[str, str] = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        name, value = name.strip(), value.strip()
+        check(bool(sep and name and value), field_name, f"{spec!r}: expected NAME=SRC, e.g. {example}")
+        check(name not in (reserved or {}), field_name, f"{spec!r}: {(reserved or {}).get(name)}")
+        check(name not in out, field_name, f"{spec!r}: {name!r} is given twice (first as {out.get(name)!r})")
+        out[name] = value
+    return out

@@ -18,7 +18,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Iterator
 
-from vitscale.config import check
+from common.config import check
 
 
 @dataclasses.dataclass
@@ -92,10 +92,11 @@ def _stage(n: int, text: str) -> None:
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    from vitscale import demo_data, tracking
-    from vitscale.finetune import FinetuneConfig, run_finetune
-    from vitscale.pretrain import PretrainConfig, run_pretrain
-    from vitscale.ray_utils import init_ray
+    from common import tracking
+    from demo import data as demo_data
+    from training.finetune import FinetuneConfig, run_finetune
+    from training.pretrain import PretrainConfig, run_pretrain
+    from training.ray_utils import init_ray
 
     if not cfg.verbose:
         logging.getLogger().setLevel(logging.WARNING)

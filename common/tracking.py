@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from vitscale.text import utf8_text
+from common.text import utf8_text
 
 DEFAULT_EXPERIMENT = "vitscale"
 

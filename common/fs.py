@@ -1,0 +1,84 @@
+"""Filesystem helpers every layer shares: fsspec URLs and atomic writes.
+
+A file written through :func:`atomic_open` appears under its final name only once it is
+complete, so a reader (or a resumed job) never sees half a shard, manifest or state file.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from typing import Any, Iterator
+
+# Partial files are written as <final name>.tmp-<uuid>, then renamed.
+TMP_MARKER = ".tmp-"
+
+
+def url_to_fs(url: str | os.PathLike, fs=None):
+    """``(filesystem, path)`` for a local path or fsspec URL, without a trailing slash.
+
+    A caller that already holds the filesystem passes it as ``fs`` and gets it back.
+    """
+    if fs is not None:
+        return fs, str(url).rstrip("/")
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(os.fsdecode(url) if isinstance(url, bytes) else str(url))
+    return fs, path.rstrip("/")
+
+
+def is_local(fs) -> bool:
+    return type(fs).__name__ == "LocalFileSystem"
+
+
+def _fsync_dir(path: str) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    try:
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, fs=None, mode: str = "wb") -> Iterator[Any]:
+    """A file that appears at ``path`` only once it is completely written and closed.
+
+    It is written under a temporary name beside ``path`` and renamed; on a local disk the file
+    and its directory are fsynced first. If the block raises, the temporary file is removed and
+    ``path`` is untouched. ``mode`` is ``"wb"`` or ``"w"`` (UTF-8 text).
+    """
+    if mode not in ("wb", "w"):
+        raise ValueError(f"atomic_open: mode must be 'wb' or 'w', not {mode!r}")
+    if fs is None:
+        fs, path = url_to_fs(path)
+    path = os.fspath(path)
+    tmp = f"{path}{TMP_MARKER}{uuid.uuid4().hex}"
+    local = is_local(fs)
+    text = {"encoding": "utf-8"} if mode == "w" else {}
+    try:
+        with (open(tmp, mode, **text) if local else fs.open(tmp, mode, **text)) as f:
+            yield f
+            if local:
+                f.flush()
+                os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp) if local else fs.rm(tmp)
+        raise
+    if local:
+        os.replace(tmp, path)
+        _fsync_dir(path)
+    else:
+        fs.mv(tmp, path)
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, fs=None) -> None:
+    """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically (see :func:`atomic_open`)."""
+    with atomic_open(path, fs, "w" if isinstance(data, str) else "wb") as f:
+        f.write(data)

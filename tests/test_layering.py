@@ -1,0 +1,144 @@
+"""The layers of the tree, read from the imports of every module (function-local ones too).
+
+From the bottom up (README, "Layout"):
+    common/        base: configs, the CLI runner, text rules, filesystem and atomic writes, MLflow
+    vitcore/       the model; imports nothing of the project
+    dedup core     signatures, index, transforms, report: nothing above the base, so the ingest can use them
+    pipelines/     the Beam ingest, the shard schema and readers
+    dedup jobs     registry, rescan, job, calibration: read corpora and shard sets through pipelines
+    training/      pre-training, fine-tuning, VTAB and few-shot, their loaders and Ray helpers
+    demo/          the end-to-end demo and its generated data
+    jobs/ benchmarks/ infra/   entrypoints and tools
+A module may import its own package and anything of a lower layer; vitcore and common import
+only themselves. No two modules may import each other, directly or round a longer loop.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT = ("common", "vitcore", "dedup", "pipelines", "training", "demo", "jobs", "benchmarks", "infra")
+DEDUP_CORE = {"dedup", "dedup.signatures", "dedup.index", "dedup.transforms", "dedup.report"}
+LAYER = {"common": 0, "vitcore": 0, "dedup_core": 1, "pipelines": 2, "dedup": 3, "training": 4, "demo": 5,
+         "jobs": 6, "benchmarks": 6, "infra": 6}
+SELF_CONTAINED = {"common", "vitcore"}
+
+
+def layer_of(module: str) -> str:
+    top = module.split(".")[0]
+    return "dedup_core" if module in DEDUP_CORE else top
+
+
+def module_names() -> dict[str, Path]:
+    out = {}
+    for top in PROJECT:
+        for path in (REPO / top).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
+    """Project modules ``name`` imports anywhere in its file."""
+    is_pkg = path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".")[: len(name.split(".")) - node.level + (1 if is_pkg else 0)]
+                base = ".".join(anchor + ([base] if base else []))
+            # `from pkg import mod` imports the submodule when there is one.
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                found.add(t)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    names = module_names()
+    known = set(names)
+    return {name: imports_of(path, name, known) for name, path in names.items()}
+
+
+def back_edges(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in graph.items():
+        for dst in targets:
+            ls, ld = layer_of(src), layer_of(dst)
+            if ls == ld:
+                continue
+            if ls in SELF_CONTAINED or LAYER[ld] >= LAYER[ls]:
+                bad.append(f"{src} -> {dst} ({ls} may not import {ld})")
+    return sorted(bad)
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_every_import_runs_down_the_layers():
+    assert back_edges(import_graph()) == []
+
+
+def test_no_module_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_every_module_belongs_to_a_layer():
+    assert {layer_of(m) for m in import_graph()} <= set(LAYER)
+
+
+def test_the_checks_catch_a_back_edge_and_a_cycle():
+    graph = import_graph()
+    graph["common.config"] = graph["common.config"] | {"pipelines.schema"}
+    graph["dedup.index"] = graph["dedup.index"] | {"dedup.calibration"}
+    assert "common.config -> pipelines.schema (common may not import pipelines)" in back_edges(graph)
+    assert "dedup.index -> dedup.calibration (dedup_core may not import dedup)" in back_edges(graph)
+    graph["pipelines.schema"] = graph["pipelines.schema"] | {"pipelines.ingest"}
+    assert any({"pipelines.schema", "pipelines.ingest"} <= set(c) for c in cycles(graph))
+
+
+def test_function_local_imports_count(tmp_path):
+    mod = tmp_path / "m.py"
+    mod.write_text("def f():\n    from pipelines.ingest import run\n")
+    assert imports_of(mod, "common.m", {"pipelines", "pipelines.ingest", "common.m"}) == {"pipelines.ingest"}
