@@ -74,13 +74,9 @@ PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "retina.jp
 
 def _sources(names: tuple[str, ...] = PHOTOS) -> list[Image.Image]:
     """The named scikit-image photographs, then scikit-learn's two sample photographs."""
-    import skimage
-    from sklearn.datasets import load_sample_images
+    from common.photos import SKLEARN, photos
 
-    d = os.path.join(os.path.dirname(skimage.__file__), "data")
-    imgs = [Image.open(os.path.join(d, n)).convert("RGB") for n in names]
-    imgs += [Image.fromarray(a) for a in load_sample_images().images]
-    return imgs
+    return list(photos(names + SKLEARN).values())
 
 
 def _frame(megapixels: float, aspect: float) -> tuple[int, int]:

@@ -83,15 +83,9 @@ def photo_pool(*, tile: int = 128, min_std: float = 12.0) -> list[tuple[str, Ima
     statistics, which makes them hard negatives. Flat tiles (sky, black
     background) are dropped: they are duplicates of each other in any sense.
     """
-    import skimage
-    from sklearn.datasets import load_sample_images
+    from common.photos import ALL, photos as load_photos
 
-    data = Path(os.path.dirname(skimage.__file__)) / "data"
-    names = ["astronaut.png", "chelsea.png", "coffee.png", "camera.png", "hubble_deep_field.jpg", "retina.jpg",
-             "rocket.jpg", "motorcycle_left.png", "brick.png", "grass.png", "gravel.png", "coins.png", "moon.png",
-             "cell.png", "ihc.png", "clock_motion.png"]
-    photos = [(n, Image.open(data / n).convert("RGB")) for n in names]
-    photos += [(n, Image.fromarray(a)) for n, a in zip(("china.jpg", "flower.jpg"), load_sample_images().images)]
+    photos = list(load_photos(ALL).items())
     pool = list(photos)
     for name, photo in photos:
         arr = np.asarray(photo)

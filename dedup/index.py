@@ -53,6 +53,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from PIL import Image
 
+from common.fs import atomic_open, atomic_write
 from dedup import signatures as sig
 
 # The match rule: some block within BLOCK_RADIUS bits AND the whole code within
@@ -331,10 +332,14 @@ class TestSetIndex:
                 out_d.append(best[r])
         return (np.array(out_q, dtype=np.int64), np.array(out_r, dtype=np.int64), np.array(out_d, dtype=np.int64))
 
+    def exact(self, content_hash: str) -> list[int]:
+        """Records whose content hash is ``content_hash`` (the rule's exact half), in index order."""
+        return list(self._by_hash.get(content_hash, ()))
+
     def match(self, content_hash: str, signature: bytes) -> list[Match]:
         """Every test image that ``(content_hash, signature)`` duplicates, closest first."""
         out: dict[int, Match] = {}
-        for i in self._by_hash.get(content_hash, ()):
+        for i in self.exact(content_hash):
             out[i] = Match(self.test_set[i], self.key[i], 0, True)
         if signature and len(self):
             _, rec, dist = self.search(sig.to_words(signature))
@@ -374,9 +379,7 @@ class TestSetIndex:
                           for name, n in sorted(self.counts().items())},
             "quarantine": quarantine,
         })
-        tmp = manifest_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
-        tmp.replace(manifest_path)
+        atomic_write(manifest_path, json.dumps(manifest, indent=2))
         return d
 
     @classmethod
@@ -433,7 +436,5 @@ def _write_records(path: Path, index: TestSetIndex, name: str, version: int, row
         "signature": [index.signature[i] for i in rows],
         "codes": [index._codes[i].tobytes() for i in rows],
     }, schema=schema)
-    tmp = path.with_suffix(".arrow.tmp")
-    with pa.OSFile(os.fsencode(tmp), "wb") as sink, ipc.new_file(sink, schema) as writer:
+    with atomic_open(path) as sink, ipc.new_file(sink, schema) as writer:
         writer.write_table(table)
-    tmp.replace(path)

@@ -444,15 +444,12 @@ def run_prepare(cfg: PrepareConfig) -> dict:
 
     from common import config as vconfig
     from common import tracking
+    from pipelines.testsets import check_sources
 
     units = plan_inputs(cfg)
     label_map = load_label_map(cfg.label_map) if cfg.label_map else None
     test_sets = cfg.test_sets()
-    for name, src in test_sets.items():
-        try:
-            plan(src)
-        except SourceError as exc:
-            raise PrepareError(f"test_set {name}: {exc}") from None
+    check_sources(test_sets)
 
     fs, root = _fs(cfg.output)
     try:
