@@ -7,9 +7,8 @@ Both baselines run in the same process on the same in-memory JPEG bytes:
 * decode-only at reduced scale: ``open -> draft(target) -> load -> RGB``, the
   practical ceiling of any Pillow-based path (issue 3 asks for 0.8 of it). The
   project decodes colour JPEGs with libjpeg-turbo through ``simplejpeg`` into
-  Pillow's memory, faster at 2 MP than Pillow's own draft decode (by 0.4 ms on
-  an older EPYC, 0.03 to 0.1 ms on a Zen 5), so its ratio to this ceiling can
-  exceed what resizing and encoding would otherwise allow.
+  Pillow's memory, faster than Pillow's own draft decode (benchmarks/README.md),
+  so its ratio to this ceiling can exceed what resizing and encoding would otherwise allow.
 
 The project path is :func:`pipelines.decode.decode_image` with the DCT-draft
 target, then :func:`pipelines.process.resize_encode`; the full per-item cost

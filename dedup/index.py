@@ -22,15 +22,9 @@ crop variant ``v`` of the test image (``signatures.CROP_VARIANTS``):
 the benchmark check that both agree. Condition (a) is part of the rule because
 it is what makes the search sub-linear: every bucket within the radius of each
 block is probed (one array read each; buckets are CSR arrays indexed by the
-block value) and candidates are verified on (b). Exact search for (b) alone by
-pigeonhole would need every block within ``threshold // BLOCKS`` = 4 bits, about
-7,500 probes per block instead of 22, and even 16 blocks of 8 bits leave over
-a third of a random index as candidates at threshold 28: no sub-linear exact
-search exists for so loose a radius, so the rule carries (a). Its cost,
-measured on held-out photos at the default threshold (dedup.calibration): mean
-recall over the transforms 0.999 under (b) alone vs 0.997 under the rule; the
-loss is concentrated in random crops (0.994 -> 0.984), the transform that moves
-the code most.
+block value) and candidates are verified on (b). No sub-linear exact search
+exists for (b) alone at so loose a radius, so the rule carries (a); what that
+costs in recall is measured in benchmarks/README.md.
 
 The index is picklable (a Beam side input); the bucket tables are rebuilt
 lazily after unpickling. ``save``/``load`` write one Arrow IPC file per test
