@@ -161,7 +161,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
     from pipelines.schema import MANIFEST, ShardSet
     from common import tracking
-    from common.fs import atomic_write, make_output_dir
+    from common.fs import atomic_open, atomic_write, make_output_dir
     from training.data import split_rows
     from training.ray_utils import init_ray
 
@@ -228,8 +228,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         rows.sort(key=lambda r: r["lr"])
         best = grid.get_best_result(metric="val_accuracy", mode="max", filter_nan_and_inf=True)
         model_path = output / MODEL_FILE
-        with best.checkpoint.as_directory() as d:
-            shutil.copyfile(Path(d) / MODEL_FILE, model_path)
+        with best.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
+                atomic_open(model_path) as dst:
+            shutil.copyfileobj(src, dst)
         summary = {
             "trials": rows,
             "failed": failed,

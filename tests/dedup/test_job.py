@@ -7,6 +7,7 @@ import pytest
 
 from dedup.job import DedupConfig, run
 from dedup.transforms import apply
+from pipelines.schema import MANIFEST
 from common.config import ConfigError
 
 
@@ -52,7 +53,7 @@ def test_job_removes_planted_duplicates_incrementally(corpus, monkeypatch):
         assert (shards / "dedup_report" / name).stat().st_size > 0
 
     from pipelines.schema import ShardSet
-    total = json.loads((shards / "manifest.json").read_text())["num_rows"]
+    total = json.loads((shards / MANIFEST).read_text())["num_rows"]
     assert len(ShardSet(shards)) == total - 2
 
     second = run(cfg_a)
