@@ -22,12 +22,7 @@ image's signature ``q``:
 The search (``TestSetIndex.search``/``match``) is exact for this rule: it finds
 every pair the rule accepts and no other, and ``TestSetIndex.brute_force``
 evaluates the same rule over all pairs to check it. Condition (a) is part of
-the definition because it makes the search sub-linear; on held-out photos it
-costs 0.2 points of mean recall (0.999 -> 0.997), 1 point on random crops.
-
-Calibrated on held-out photos (``python -m dedup.calibration --holdout``):
-mean recall 0.997 over 21 transforms, 0 false matches over 15,006 distinct
-pairs; every crop transform >= 0.98 (random per-side crops 0.984), weakest
-are brightness 1.2 and grayscale + half size + JPEG q30 (0.976). Figures per
-transform: :mod:`dedup.calibration`.
+the definition because it makes the search sub-linear, at a small cost in recall.
+The threshold is calibrated on held-out photos (:mod:`dedup.calibration`); its
+figures and the command that reproduces them are in benchmarks/README.md.
 """

@@ -6,55 +6,11 @@ and every other image is a negative. Per transform and per threshold the tool
 reports precision, recall and false-match rate (FMR), overall FMR over all
 distinct ordered pairs, and plots them to a PNG.
 
-The pool (:func:`photo_pool`): 281 real photos, the 18 scikit-image and
-scikit-learn photographs plus their non-overlapping 128 px tiles with luminance
-std >= 12. ``--holdout`` splits it by *source photograph* (:func:`split_pool`;
-a photo and its tiles never straddle the split): 158 design images from 10
-photos, 123 held-out images from the 8 in ``HOLDOUT_PHOTOS``. The random
-transforms are sampled 4 times per image (``--repeats``).
-
-Recorded calibration, signature version 2, 29 crop variants (plus, for images
-with flat regions, the same crops taken before border trimming: 33 codes per
-image on average over this pool), 6 blocks of 21 bits (``python -m
-dedup.calibration --out /tmp/calib --holdout --repeats 4``). The design part
-chose the threshold: ``choose_threshold`` (largest threshold with FMR at most
-2e-5, 5x under the 1e-4 target) gives 28; at 30 and 32 one design pair matches
-(4.0e-5). ``DEFAULT_THRESHOLD = 28``. The held-out part, never used to choose
-the threshold, measured at 28 (recall under the match rule of dedup.index;
-"plain" drops its block condition)::
-
-    transform            queries  recall   plain    FMR
-    resize_0.25              123   0.992   1.000    0
-    resize_0.5 / 2 / 4       123   1.000   1.000    0
-    jpeg_q30 / jpeg_q50      123   1.000   1.000    0
-    format_webp / gif        123   1.000   1.000    0
-    crop_10_left             123   1.000   1.000    6.7e-05
-    crop_10_top_left         123   1.000   1.000    6.7e-05
-    crop_10_all              123   1.000   1.000    1.3e-04
-    crop_random (0..10%/side) 492  0.984   0.994    6.7e-05
-    border_10_black / white  123   1.000   1.000    0
-    border_5_color           492   1.000   1.000    0
-    brightness_0.8           123   1.000   1.000    0
-    brightness_1.2           123   0.976   0.992    0
-    contrast_0.8 / 1.2       123   1.000   1.000    0
-    grayscale                123   1.000   1.000    0
-    gray_jpeg_q30_half       123   0.976   0.984    0
-    all (mean)              3321   0.997   0.999    0 of 15,006 distinct pairs
-
-(per-transform FMR counts a transformed query matching another image.) At 32
-the held-out mean recall is 0.997 with 1 false pair (6.7e-5). Over the whole
-pool at 28: recall 0.997, FMR 1.3e-5 (1 of 78,680 distinct pairs, a hard
-negative across the split). Targets: FMR <= 1e-4 is met with margin; recall
->= 0.98 is met on average and by the crop transforms, not by every transform:
-brightness 1.2 and grayscale + half size + JPEG q30 stay at 0.976 (one of 123
-short), and the block condition costs random crops 1 point (0.994 plain).
-Signature version 1 (25 variants, crops of the trimmed image only) measured
-held-out recall 0.991, with 10% crops on all sides at 0.959 and random crops
-at 0.970: a crop that puts a flat part of the image on an edge is trimmed on
-the query side only (see ``signatures.variant_codes``). The variant choice was
-checked on the held-out split (three-side 10% crops added a held-out false
-pair and were dropped), so its held-out figures are slightly optimistic.
-The held-out set is small: one false pair moves its FMR by 6.7e-5.
+The pool (:func:`photo_pool`) is the bundled photographs (:mod:`common.photos`) plus their
+non-overlapping tiles, which are hard negatives; ``--holdout`` splits it by source photograph
+so the threshold is chosen on one part and measured on the other. ``DEFAULT_THRESHOLD`` in
+:mod:`dedup.index` is this tool's choice. The recorded results, per transform, and the command
+that reproduces them: benchmarks/README.md, "Near-duplicate threshold and match rule".
 """
 from __future__ import annotations
 
@@ -83,15 +39,9 @@ def photo_pool(*, tile: int = 128, min_std: float = 12.0) -> list[tuple[str, Ima
     statistics, which makes them hard negatives. Flat tiles (sky, black
     background) are dropped: they are duplicates of each other in any sense.
     """
-    import skimage
-    from sklearn.datasets import load_sample_images
+    from common.photos import ALL, photos as load_photos
 
-    data = Path(os.path.dirname(skimage.__file__)) / "data"
-    names = ["astronaut.png", "chelsea.png", "coffee.png", "camera.png", "hubble_deep_field.jpg", "retina.jpg",
-             "rocket.jpg", "motorcycle_left.png", "brick.png", "grass.png", "gravel.png", "coins.png", "moon.png",
-             "cell.png", "ihc.png", "clock_motion.png"]
-    photos = [(n, Image.open(data / n).convert("RGB")) for n in names]
-    photos += [(n, Image.fromarray(a)) for n, a in zip(("china.jpg", "flower.jpg"), load_sample_images().images)]
+    photos = list(load_photos(ALL).items())
     pool = list(photos)
     for name, photo in photos:
         arr = np.asarray(photo)

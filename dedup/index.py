@@ -22,15 +22,9 @@ crop variant ``v`` of the test image (``signatures.CROP_VARIANTS``):
 the benchmark check that both agree. Condition (a) is part of the rule because
 it is what makes the search sub-linear: every bucket within the radius of each
 block is probed (one array read each; buckets are CSR arrays indexed by the
-block value) and candidates are verified on (b). Exact search for (b) alone by
-pigeonhole would need every block within ``threshold // BLOCKS`` = 4 bits, about
-7,500 probes per block instead of 22, and even 16 blocks of 8 bits leave over
-a third of a random index as candidates at threshold 28: no sub-linear exact
-search exists for so loose a radius, so the rule carries (a). Its cost,
-measured on held-out photos at the default threshold (dedup.calibration): mean
-recall over the transforms 0.999 under (b) alone vs 0.997 under the rule; the
-loss is concentrated in random crops (0.994 -> 0.984), the transform that moves
-the code most.
+block value) and candidates are verified on (b). No sub-linear exact search
+exists for (b) alone at so loose a radius, so the rule carries (a); what that
+costs in recall is measured in benchmarks/README.md.
 
 The index is picklable (a Beam side input); the bucket tables are rebuilt
 lazily after unpickling. ``save``/``load`` write one Arrow IPC file per test
@@ -53,6 +47,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from PIL import Image
 
+from common.fs import atomic_open, atomic_write
 from dedup import signatures as sig
 
 # The match rule: some block within BLOCK_RADIUS bits AND the whole code within
@@ -331,10 +326,14 @@ class TestSetIndex:
                 out_d.append(best[r])
         return (np.array(out_q, dtype=np.int64), np.array(out_r, dtype=np.int64), np.array(out_d, dtype=np.int64))
 
+    def exact(self, content_hash: str) -> list[int]:
+        """Records whose content hash is ``content_hash`` (the rule's exact half), in index order."""
+        return list(self._by_hash.get(content_hash, ()))
+
     def match(self, content_hash: str, signature: bytes) -> list[Match]:
         """Every test image that ``(content_hash, signature)`` duplicates, closest first."""
         out: dict[int, Match] = {}
-        for i in self._by_hash.get(content_hash, ()):
+        for i in self.exact(content_hash):
             out[i] = Match(self.test_set[i], self.key[i], 0, True)
         if signature and len(self):
             _, rec, dist = self.search(sig.to_words(signature))
@@ -374,9 +373,7 @@ class TestSetIndex:
                           for name, n in sorted(self.counts().items())},
             "quarantine": quarantine,
         })
-        tmp = manifest_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
-        tmp.replace(manifest_path)
+        atomic_write(manifest_path, json.dumps(manifest, indent=2))
         return d
 
     @classmethod
@@ -433,7 +430,5 @@ def _write_records(path: Path, index: TestSetIndex, name: str, version: int, row
         "signature": [index.signature[i] for i in rows],
         "codes": [index._codes[i].tobytes() for i in rows],
     }, schema=schema)
-    tmp = path.with_suffix(".arrow.tmp")
-    with pa.OSFile(os.fsencode(tmp), "wb") as sink, ipc.new_file(sink, schema) as writer:
+    with atomic_open(path) as sink, ipc.new_file(sink, schema) as writer:
         writer.write_table(table)
-    tmp.replace(path)

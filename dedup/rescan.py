@@ -21,14 +21,15 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
+from common.config import InputError
 from common.fs import atomic_write
 from dedup import signatures as sig
 from dedup.index import TestSetIndex
+from pipelines import schema
+from pipelines.schema import ShardSet, ShardSetError
 
 STATE = "dedup_state.json"
-REMOVED = "removed.jsonl"
 STATE_FORMAT = 1
 
 
@@ -62,52 +63,37 @@ def _load_state(path: Path, index: TestSetIndex) -> dict:
     try:
         state = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc}); delete it to re-check every shard") from exc
+        raise InputError(f"{path}: not valid JSON ({exc}); delete it to re-check every shard") from exc
     if state.get("rule") != index.rule_id():  # another threshold, signature or variant set: re-check all
         return fresh
     return state
 
 
-def read_removed(shard_dir: str | os.PathLike) -> dict[str, dict]:
-    path = Path(shard_dir) / REMOVED
-    out: dict[str, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                row = row if isinstance(row, dict) else {"key": row}
-                out[str(row["key"])] = row
-    return out
-
-
 def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
     """Match new shards / new test sets of ``shard_dir`` against ``index``; append removals, persist state."""
     root = Path(shard_dir)
-    manifest_path = root / "manifest.json"
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{root}: no manifest.json; point --shards at a completed ingest output directory")
-    manifest = json.loads(manifest_path.read_text())
+    # Every row, removed ones included: a row removed for one test set is still checked against a new one.
+    shard_set = ShardSet(root, honour_removed=False)
     state_path = root / STATE
     state = _load_state(state_path, index)
     fingerprints = {name: index.fingerprint(name) for name in index.counts()}
-    removed = read_removed(root)
+    removed = set(schema.read_removed(root))
     new_matches: list[dict] = []
     per_set = {name: 0 for name in fingerprints}
     checked = pairs = rows = 0
-    for shard in manifest.get("shards", []):
+    for i, shard in enumerate(shard_set.shards):
         entry = state["shards"].setdefault(shard["sha256"], {"path": shard["path"], "test_sets": {}})
         todo = {n for n, fp in fingerprints.items() if entry["test_sets"].get(n) != fp}
         if not todo:
             continue
-        path = root / shard["path"]
+        columns = [schema.KEY, schema.CONTENT_HASH, schema.PHASH]
         try:
-            with pa.memory_map(os.fsencode(path)) as src:  # bytes: a folder name need not be UTF-8
-                table = ipc.open_file(src).read_all().select(["key", "content_hash", "phash"])
-        except (OSError, pa.ArrowInvalid, KeyError) as exc:
-            raise OSError(f"{path}: unreadable or missing key/content_hash/phash ({exc}); re-run the ingest") from exc
-        keys = table.column("key").to_pylist()
-        hashes = table.column("content_hash").to_pylist()
-        phash = table.column("phash").to_pylist()
+            table = shard_set.open_shard(i).select(columns)
+        except (KeyError, pa.ArrowInvalid) as exc:
+            raise ShardSetError(f"{shard['path']}: missing {'/'.join(columns)} ({exc}); re-run the ingest") from None
+        keys = table.column(schema.KEY).to_pylist()
+        hashes = table.column(schema.CONTENT_HASH).to_pylist()
+        phash = table.column(schema.PHASH).to_pylist()
         found: dict[int, dict] = {}
         valid = [i for i, p in enumerate(phash) if p is not None and len(p) == sig.SIGNATURE_BYTES]
         if valid:
@@ -119,7 +105,7 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
                     found[row] = {"key": keys[row], "test_set": name, "matched_key": index.key[r],
                                   "distance": int(d), "exact": False}
         for row, h in enumerate(hashes):
-            for r in index._by_hash.get(h, ()):
+            for r in index.exact(h):
                 if index.test_set[r] in todo:
                     found[row] = {"key": keys[row], "test_set": index.test_set[r], "matched_key": index.key[r],
                                   "distance": 0, "exact": True}
@@ -127,7 +113,7 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
         for row in sorted(found):
             m = found[row]
             if m["key"] not in removed:
-                removed[m["key"]] = m
+                removed.add(m["key"])
                 new_matches.append(m)
                 per_set[m["test_set"]] = per_set.get(m["test_set"], 0) + 1
         checked += 1
@@ -136,9 +122,9 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
         for n in todo:
             entry["test_sets"][n] = fingerprints[n]
     if new_matches:
-        with open(root / REMOVED, "a") as f:
+        with open(root / schema.REMOVED, "a") as f:
             for m in new_matches:
                 f.write(json.dumps(m) + "\n")
     if pairs:
         atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True))
-    return RescanResult(len(manifest.get("shards", [])), checked, pairs, rows, new_matches, per_set)
+    return RescanResult(len(shard_set.shards), checked, pairs, rows, new_matches, per_set)

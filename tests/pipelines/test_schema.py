@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipelines.schema import (
-    SCHEMA, SCHEMA_VERSION, ShardSet, ShardSetError, decode_row_image, make_key, text_uri,
+    MANIFEST, SCHEMA, SCHEMA_VERSION, ShardSet, ShardSetError, decode_row_image, make_key, text_uri,
 )
 
 
@@ -75,9 +75,9 @@ def test_newer_schema_version_is_refused(shard_set, tmp_path):
 
     copy = tmp_path / "copy"
     shutil.copytree(shard_set, copy)
-    m = json.loads((copy / "manifest.json").read_text())
+    m = json.loads((copy / MANIFEST).read_text())
     m["schema_version"] = SCHEMA_VERSION + 1
-    (copy / "manifest.json").write_text(json.dumps(m))
+    (copy / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ShardSetError, match="schema_version"):
         ShardSet(copy)
 
