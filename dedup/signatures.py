@@ -28,7 +28,7 @@ import numpy as np
 from PIL import Image
 from scipy.fft import dctn
 
-SIGNATURE_VERSION = 2
+SIGNATURE_VERSION = 3
 DCT_SIZE = 32
 CODE_BITS = 128
 SIGNATURE_BYTES = CODE_BITS // 8
@@ -71,6 +71,16 @@ _CROP_CORNERS: tuple[tuple[float, float, float, float], ...] = (
 _CROP_CENTRES = tuple((l, t, r, b) for l in (0.025, 0.075) for t in (0.025, 0.075)
                       for r in (0.025, 0.075) for b in (0.025, 0.075))
 CROP_VARIANTS: tuple[tuple[float, float, float, float], ...] = _CROP_CORNERS + _CROP_CENTRES
+
+# Corpus-side inner crops (left, top, right, bottom fractions of the trimmed
+# image), for the reverse direction: a test image T cut from a corpus photo C
+# by b <= 10% per side. C's 10%-per-side centre is then T cropped by
+# (0.1 - b_side) / (1 - b_l - b_r) per side, 0 to 0.111, which is the box the
+# index-side CROP_VARIANTS of T already cover. So one extra code per corpus
+# image, searched against the same index, finds C when T is a crop of it.
+INNER_CROPS: tuple[tuple[float, float, float, float], ...] = ((0.1, 0.1, 0.1, 0.1),)
+CORPUS_CODES = 1 + len(INNER_CROPS)
+CORPUS_SIGNATURE_BYTES = CORPUS_CODES * SIGNATURE_BYTES
 
 
 def content_hash(img: Image.Image) -> str:
@@ -143,9 +153,9 @@ def trim_box(lum: np.ndarray | Image.Image) -> tuple[int, int, int, int]:
     return box
 
 
-def _code(lum: np.ndarray | Image.Image) -> np.ndarray:
+def _code(lum: np.ndarray | Image.Image, box: tuple[float, float, float, float] | None = None) -> np.ndarray:
     image = lum if isinstance(lum, Image.Image) else Image.fromarray(lum)
-    small = np.asarray(image.resize((DCT_SIZE, DCT_SIZE), Image.BOX), dtype=np.float64)
+    small = np.asarray(image.resize((DCT_SIZE, DCT_SIZE), Image.BOX, box=box), dtype=np.float64)
     coeffs = dctn(small, norm="ortho")[_ROWS, _COLS]
     bits = coeffs > np.median(coeffs)
     return np.packbits(bits)
@@ -168,6 +178,36 @@ def compute(img: Image.Image) -> bytes:
     if box != (0, 0, lum.width, lum.height):
         lum = lum.crop(box)
     return _code(lum).tobytes()
+
+
+def corpus_codes(img: Image.Image) -> bytes:
+    """What the corpus side stores and searches: ``CORPUS_SIGNATURE_BYTES`` bytes.
+
+    The first ``SIGNATURE_BYTES`` are :func:`compute` (the forward direction: a
+    corpus copy that is a crop of a test image); then one code per
+    ``INNER_CROPS`` entry, the same crop of the trimmed luminance as
+    ``variant_codes`` takes on the index side (the reverse direction: a test
+    image that is a crop of the corpus image). The crop is a resampling box,
+    not a copy.
+    """
+    lum = _luminance_image(img)
+    box = trim_box(lum)
+    if box != (0, 0, lum.width, lum.height):
+        lum = lum.crop(box)
+    h, w = lum.height, lum.width
+    codes = [_code(lum).tobytes()]
+    for l, t, r, b in INNER_CROPS:
+        crop = (round(l * w), round(t * h), w - round(r * w), h - round(b * h))
+        codes.append(_code(lum, crop).tobytes())
+    return b"".join(codes)
+
+
+def split_codes(stored: bytes) -> list[bytes]:
+    """The codes of a stored corpus signature (:func:`corpus_codes`, or a bare :func:`compute`)."""
+    if not stored or len(stored) % SIGNATURE_BYTES:
+        raise ValueError(f"corpus signature of {len(stored or b'')} bytes: expected a multiple of {SIGNATURE_BYTES}; "
+                         f"recompute it with dedup.signatures.corpus_codes (signature version {SIGNATURE_VERSION})")
+    return [stored[i: i + SIGNATURE_BYTES] for i in range(0, len(stored), SIGNATURE_BYTES)]
 
 
 def variant_codes(img: Image.Image) -> np.ndarray:
