@@ -80,6 +80,7 @@ class Match(NamedTuple):
     distance: int
     exact: bool
     direction: str = "exact"  # FORWARD, REVERSE or "exact"
+    uri: str = ""  # the test image's uri, as indexed
 
 
 # Which corpus code matched (signatures.corpus_codes): the whole corpus image
@@ -379,13 +380,13 @@ class TestSetIndex:
         """
         out: dict[int, Match] = {}
         for i in self._by_hash.get(content_hash, ()):
-            out[i] = Match(self.test_set[i], self.key[i], 0, True)
+            out[i] = Match(self.test_set[i], self.key[i], 0, True, "exact", self.source[i])
         if signature and len(self):
             codes = np.frombuffer(b"".join(sig.split_codes(signature)), dtype=np.uint8)
             _, rec, dist, code = self.search_corpus(codes.reshape(1, -1, sig.SIGNATURE_BYTES))
             for i, d, c in zip(rec.tolist(), dist.tolist(), code.tolist()):
                 if i not in out:
-                    out[i] = Match(self.test_set[i], self.key[i], d, False, REVERSE if c else FORWARD)
+                    out[i] = Match(self.test_set[i], self.key[i], d, False, REVERSE if c else FORWARD, self.source[i])
         return sorted(out.values(), key=lambda m: (m.distance, not m.exact, m.test_set, m.key))
 
     def uri(self, record: int) -> str:
