@@ -70,7 +70,7 @@ from PIL import Image
 
 from dedup import signatures as sig
 from dedup.index import DEFAULT_THRESHOLD
-from dedup.transforms import RANDOM_TRANSFORMS, TRANSFORMS, apply
+from dedup.transforms import RANDOM_TRANSFORMS, REVERSE_TRANSFORMS, TRANSFORMS, apply
 
 TARGET_RECALL = 0.98
 TARGET_FMR = 1e-4
@@ -198,14 +198,14 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: expected at least 1")
     index = TestSetIndex(threshold=max(thresholds))
-    originals = []
+    corpus = []  # each image's corpus-side codes: the whole image and its inner crops
     for i, img in enumerate(images):
         img = img.convert("RGB")
         index.add("calibration", str(i), img)
-        originals.append(np.frombuffer(sig.compute(img), dtype=np.uint8))
-    variants = [sig.to_words(c) for c in index._codes]
+        corpus.append(_codes(img))
+    corpus_codes = np.stack(corpus)
     pairs = n * (n - 1)
-    qi, rec, d = index.search(np.stack(originals))
+    qi, rec, d, _ = index.search_corpus(corpus_codes)
     off = qi != rec
     false_pairs = [int(np.count_nonzero(off & (d <= t))) for t in thresholds]
     overall_fmr = [f / pairs for f in false_pairs]
@@ -214,15 +214,25 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     for name in names:
         reps = repeats if name in RANDOM_TRANSFORMS else 1
         owner = np.tile(np.arange(n), reps)
-        queries = np.stack([np.frombuffer(sig.compute(apply(name, images[i], seed=seed + r * 100_003 + i)),
-                                          dtype=np.uint8) for r in range(reps) for i in range(n)])
-        m = len(queries)
-        qi, rec, d = index.search(queries)
-        true = owner[qi] == rec
+        made = [apply(name, images[i], seed=seed + r * 100_003 + i) for r in range(reps) for i in range(n)]
+        m = len(made)
+        if name in REVERSE_TRANSFORMS:
+            # the transformed images are the test images, cut from the originals: index them
+            # and search every original's corpus codes (n queries, m test images)
+            rev = TestSetIndex(threshold=max(thresholds))
+            for k, img in enumerate(made):
+                rev.add("calibration", str(k), img)
+            item, r_, d, _ = rev.search_corpus(corpus_codes)
+            true = owner[r_] == item
+            variants = [sig.to_words(c) for c in rev._codes]
+            plain = np.array([_plain(variants[k], corpus_codes[owner[k]]) for k in range(m)])
+        else:
+            queries = np.stack([_codes(img) for img in made])
+            item, r_, d, _ = index.search_corpus(queries)
+            true = owner[item] == r_
+            plain = np.array([_plain(index_variants(index, owner[k]), queries[k]) for k in range(m)])
         tp = np.array([np.count_nonzero(true & (d <= t)) for t in thresholds], dtype=float)
         fp = np.array([np.count_nonzero(~true & (d <= t)) for t in thresholds], dtype=float)
-        qw = sig.to_words(queries)
-        plain = np.array([np.bitwise_count(variants[o] ^ qw[k]).sum(axis=1).min() for k, o in enumerate(owner)])
         positives[name] = m
         recall[name] = (tp / m).tolist()
         plain_recall[name] = [float(np.mean(plain <= t)) for t in thresholds]
@@ -232,6 +242,21 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     overall_plain = np.mean([plain_recall[t] for t in names], axis=0).tolist()
     return Calibration(thresholds, n, names, positives, recall, plain_recall, precision, fmr, overall_recall,
                        overall_plain, overall_fmr, false_pairs)
+
+
+def _codes(img: Image.Image) -> np.ndarray:
+    """(CORPUS_CODES, SIGNATURE_BYTES) corpus-side codes, as the ingest stores them."""
+    return np.frombuffer(sig.corpus_codes(img), dtype=np.uint8).reshape(sig.CORPUS_CODES, sig.SIGNATURE_BYTES)
+
+
+def index_variants(index, record: int) -> np.ndarray:
+    return sig.to_words(index._codes[record])
+
+
+def _plain(variants: np.ndarray, codes: np.ndarray) -> int:
+    """Smallest Hamming distance between any corpus code and any crop variant (no block condition)."""
+    q = sig.to_words(codes)
+    return int(np.bitwise_count(variants[None, :, :] ^ q[:, None, :]).sum(axis=2).min())
 
 
 def plot(cal: Calibration, path: str | os.PathLike, *, default: int = DEFAULT_THRESHOLD) -> Path:
