@@ -220,7 +220,7 @@ class TestSetIndex:
         self.key.append(key)
         self.source.append(source)
         self.content_hashes.append(content_hash)
-        self.signature.append(codes[0].tobytes())
+        self.signature.append(codes[0].tobytes() if len(codes) else bytes(sig.SIGNATURE_BYTES))
         self.version_of.append(version)
         self._codes.append(codes)
         self._by_hash.setdefault(content_hash, []).append(i)
@@ -381,7 +381,7 @@ class TestSetIndex:
         out: dict[int, Match] = {}
         for i in self._by_hash.get(content_hash, ()):
             out[i] = Match(self.test_set[i], self.key[i], 0, True, "exact", self.source[i])
-        if signature and len(self):
+        if signature and len(self):  # b"": a low-texture corpus image, exact matches only
             codes = np.frombuffer(b"".join(sig.split_codes(signature)), dtype=np.uint8)
             _, rec, dist, code = self.search_corpus(codes.reshape(1, -1, sig.SIGNATURE_BYTES))
             for i, d, c in zip(rec.tolist(), dist.tolist(), code.tolist()):

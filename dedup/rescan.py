@@ -91,34 +91,37 @@ def read_removed(shard_dir: str | os.PathLike) -> dict[str, dict]:
     return out
 
 
-def _corpus_codes(table: pa.Table, phash: list) -> np.ndarray:
-    """(rows, CORPUS_CODES, SIGNATURE_BYTES) codes of a shard's rows.
+def _corpus_codes(table: pa.Table, phash: list) -> tuple[list[int], np.ndarray]:
+    """(rows, codes): the rows that carry near-duplicate codes and their (CORPUS_CODES, SIGNATURE_BYTES) codes.
 
-    From the ``phash`` column where it holds ``signatures.corpus_codes``; shards
-    written before signature version 3 hold only the whole-image code, so their
-    codes are recomputed from the stored image (resized by the ingest, which the
-    signature tolerates: the calibration's resize transforms). Without that the
+    From the ``phash`` column where it holds ``signatures.corpus_codes`` (empty:
+    a low-texture image, matched by content hash only). Shards written before
+    signature version 3 hold only the whole-image code, so their codes are
+    recomputed from the stored image (resized by the ingest, which the
+    signature tolerates: the calibration's resize transforms); without that the
     re-check under the new rule could not see the reverse direction.
     """
-    out = np.zeros((len(phash), sig.CORPUS_CODES, sig.SIGNATURE_BYTES), dtype=np.uint8)
-    stale = [i for i, p in enumerate(phash) if p is None or len(p) != sig.CORPUS_SIGNATURE_BYTES]
-    fresh = [i for i, p in enumerate(phash) if p is not None and len(p) == sig.CORPUS_SIGNATURE_BYTES]
-    if fresh:
-        out[fresh] = np.frombuffer(b"".join(phash[i] for i in fresh), dtype=np.uint8).reshape(
-            len(fresh), sig.CORPUS_CODES, sig.SIGNATURE_BYTES)
-    if stale and "image" in table.column_names:
+    by_row: dict[int, bytes] = {}
+    stale = []
+    for i, p in enumerate(phash):
+        if p is not None and len(p) in (0, sig.CORPUS_SIGNATURE_BYTES):
+            by_row[i] = p
+        else:
+            stale.append(i)
+    if stale and "image" not in table.column_names:
+        raise OSError(f"{len(stale)} rows have no version-{sig.SIGNATURE_VERSION} signature and the shard holds "
+                      "no images to recompute it from; re-run the ingest")
+    if stale:
         from PIL import Image
 
         from pipelines.schema import decode_row_image
 
-        rows = table.select([c for c in ("image", "format", "height", "width") if c in table.column_names])
+        images = table.select([c for c in ("image", "format", "height", "width") if c in table.column_names])
         for i in stale:
-            img = Image.fromarray(decode_row_image(rows.slice(i, 1).to_pylist()[0]))
-            out[i] = np.frombuffer(sig.corpus_codes(img), dtype=np.uint8).reshape(sig.CORPUS_CODES, -1)
-    elif stale:
-        raise OSError(f"{len(stale)} rows have no version-{sig.SIGNATURE_VERSION} signature and the shard holds "
-                      "no images to recompute it from; re-run the ingest")
-    return out
+            by_row[i] = sig.corpus_codes(Image.fromarray(decode_row_image(images.slice(i, 1).to_pylist()[0])))
+    rows = sorted(i for i, p in by_row.items() if p)
+    codes = np.frombuffer(b"".join(by_row[i] for i in rows), dtype=np.uint8)
+    return rows, codes.reshape(len(rows), sig.CORPUS_CODES, sig.SIGNATURE_BYTES)
 
 
 def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
@@ -153,7 +156,7 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
         hashes = table.column("content_hash").to_pylist()
         phash = table.column("phash").to_pylist()
         uris = table.column("source").to_pylist() if "source" in table.column_names else [""] * len(keys)
-        codes = _corpus_codes(table, phash)
+        coded, codes = _corpus_codes(table, phash)
         found: dict[int, dict] = {}
 
         def name_row(row: int, r: int, d: int, exact: bool, direction: str) -> dict:
@@ -164,8 +167,9 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
         if len(codes):
             qi, rec, dist, code = index.search_corpus(codes)
             for q, r, d, c in zip(qi.tolist(), rec.tolist(), dist.tolist(), code.tolist()):
-                if index.test_set[r] in todo and (q not in found or d < found[q]["distance"]):
-                    found[q] = name_row(q, r, d, False, REVERSE if c else FORWARD)
+                row = coded[q]
+                if index.test_set[r] in todo and (row not in found or d < found[row]["distance"]):
+                    found[row] = name_row(row, r, d, False, REVERSE if c else FORWARD)
         for row, h in enumerate(hashes):
             for r in index._by_hash.get(h, ()):
                 if index.test_set[r] in todo:

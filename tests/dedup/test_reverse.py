@@ -150,3 +150,22 @@ def test_a_shard_set_checked_under_the_previous_rule_is_rechecked_once(old_shard
     second = run(cfg)
     assert second["nothing_new"] and second["rule_changed"] is None and "nothing new" in second["message"]
     assert len((shards / "removed.jsonl").read_text().splitlines()) == 1
+
+
+def test_low_texture_images_match_by_content_hash_only(photos):
+    from dedup.calibration import low_texture_pool
+
+    low = [img for _, img in low_texture_pool(n=8)]
+    assert all(sig.texture_margin(img) < sig.LOW_TEXTURE_MARGIN for img in low)
+    assert sig.texture_margin(photos["coins.png"]) > sig.LOW_TEXTURE_MARGIN
+    assert sig.corpus_codes(low[1]) == b"" and len(sig.variant_codes(low[1])) == 0
+    index = TestSetIndex()
+    for i, img in enumerate(low):
+        index.add("low", str(i), img)
+    # another gradient or flat colour, and a re-encoded copy, are not matched; an identical copy is
+    for img in low_texture_pool(n=8, seed=1):
+        assert index.match(sig.content_hash(img[1]), sig.corpus_codes(img[1])) == []
+    q30 = apply("jpeg_q30", low[1])
+    assert index.match(sig.content_hash(q30), sig.corpus_codes(q30)) == []
+    (m,) = index.match(sig.content_hash(low[1].copy()), sig.corpus_codes(low[1]))
+    assert m.exact and m.key == "1"
