@@ -13,6 +13,11 @@ a photo and its tiles never straddle the split): 158 design images from 10
 photos, 123 held-out images from the 8 in ``HOLDOUT_PHOTOS``. The random
 transforms are sampled 4 times per image (``--repeats``).
 
+Reverse transforms (``transforms.REVERSE_TRANSFORMS``: the transformed image is
+the test image, cut from the original) index the transformed images and search
+the originals' corpus codes. ``low_texture.json`` records what the low-texture
+rule is for. Figures for signature version 3: the README's benchmark section.
+
 Recorded calibration, signature version 2, 29 crop variants (plus, for images
 with flat regions, the same crops taken before border trimming: 33 codes per
 image on average over this pool), 6 blocks of 21 bits (``python -m

@@ -15,8 +15,14 @@ crop variant ``v`` of the test image (``signatures.CROP_VARIANTS``):
   (b) *distance condition*: the whole ``CODE_BITS``-bit codes differ in at most
       ``threshold`` bits.
 
-``Match.distance`` is the smallest (b)-distance over the variants that satisfy
-(a). The rule depends on nothing but the two images and the threshold, and
+The corpus side carries ``signatures.CORPUS_CODES`` codes
+(``signatures.corpus_codes``): ``q`` is each of them in turn. The whole-image
+code finds a corpus image that is a crop or copy of the test image
+(``FORWARD``); its 10%-per-side inner crop finds a corpus image that a test
+image was cut from (``REVERSE``, up to 10% per side). Low-texture images
+(``signatures.LOW_TEXTURE_MARGIN``) carry no codes on either side and match by
+content hash only. ``Match.distance`` is the smallest (b)-distance over the
+corpus codes and the variants that satisfy (a). The rule depends on nothing but the two images and the threshold, and
 :meth:`TestSetIndex.search` returns exactly the pairs it accepts:
 :meth:`TestSetIndex.brute_force` evaluates it over all pairs, and the tests and
 the benchmark check that both agree. Condition (a) is part of the rule because

@@ -52,6 +52,14 @@ def _tail(uri: object, width: int = 40) -> str:
     return text if len(text) <= width else "..." + text[-(width - 3):]
 
 
+def caption(m: MatchRow, label: str, threshold: int) -> str:
+    """A contact-sheet caption: the distance, then each side by key and by the file it came from."""
+    return (f"{label}: d={m['distance']}/{threshold}{' exact' if m.get('exact') else ''}"
+            f"{' ' + str(m['direction']) if m.get('direction') else ''}\n"
+            f"corpus {m['key']}\n  {_tail(m.get('source'))}\n"
+            f"{m['test_set']}/{m['matched_key']}\n  {_tail(m.get('test_uri'))}")
+
+
 def contact_sheet(rows: Sequence[tuple[Image.Image | None, Image.Image | None, str]], path: str | os.PathLike,
                   *, title: str = "", cell: int = 128) -> Path:
     """A PNG of (corpus image, test image, caption) rows for a person to audit; missing images are grey."""
@@ -101,11 +109,8 @@ def write_report(out_dir: str | os.PathLike, matches: Sequence[MatchRow], *, tes
     rows = []
     for label, group in (("closest", low), ("borderline", high)):
         for m in group:
-            caption = (f"{label}: d={m['distance']}/{threshold}{' exact' if m.get('exact') else ''}"
-                       f"{' ' + str(m['direction']) if m.get('direction') else ''}\n"
-                       f"corpus {m['key']}\n  {_tail(m.get('source'))}\n"
-                       f"{m['test_set']}/{m['matched_key']}\n  {_tail(m.get('test_uri'))}")
-            rows.append((load_corpus(str(m["key"])), load_test(str(m["test_set"]), str(m["matched_key"])), caption))
+            rows.append((load_corpus(str(m["key"])), load_test(str(m["test_set"]), str(m["matched_key"])),
+                         caption(m, label, threshold)))
     sheet = contact_sheet(rows, out / "contact_sheet.png",
                           title=f"{len(matches)} matches; left corpus, right test image; threshold {threshold}")
     return {"counts": out / "counts.md", "matches": out / "matches.jsonl", "contact_sheet": sheet}
