@@ -16,6 +16,8 @@ so an added frame maps back to the original content. Crops are handled on the
 index side (:func:`variant_codes`): each test image is also indexed under the
 crops a corpus copy may have had (``CROP_VARIANTS``), and a corpus image
 matches when it is close to any of them (the match rule: :mod:`dedup.index`).
+For the reverse direction, a test image cut from a corpus photo, the corpus
+side also stores the code of its inner crop (:func:`corpus_codes`, ``INNER_CROPS``).
 
 The default threshold and the measured recall and false-match rate are recorded
 in :mod:`dedup.calibration`; the threshold is ``dedup.index.DEFAULT_THRESHOLD``.
