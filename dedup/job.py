@@ -102,6 +102,7 @@ def run(cfg: DedupConfig) -> dict:
             "shards_total": result.shards_total, "shards_checked": result.shards_checked,
             "pairs_checked": result.pairs_checked, "rows_scanned": result.rows_scanned,
             "new_removals": len(result.new_matches), "removals_per_test_set": result.matches_per_test_set,
+            "rule_changed": result.rule_changed,
             "test_images": index.counts(), "test_quarantined": len(index.quarantine),
             "threshold": index.threshold, "mlflow_run_id": run_.info.run_id,
         }

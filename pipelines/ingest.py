@@ -165,7 +165,8 @@ def _match_test_sets(record: dict, index) -> dict:
     m = matches[0]  # closest first; an item is counted against one test set only
     return {
         "_t": "duplicate", "key": record["key"], "uri": record["uri"], "cause": m.test_set,
-        "test_set": m.test_set, "test_key": m.key, "distance": int(m.distance), "exact": bool(m.exact),
+        "test_set": m.test_set, "test_key": m.key, "test_uri": m.uri, "distance": int(m.distance),
+        "exact": bool(m.exact), "direction": m.direction,
     }
 
 

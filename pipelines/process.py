@@ -176,7 +176,7 @@ def process_item(item: SourceItem, opts: ProcessOptions) -> dict[str, Any]:
     except BadImage as exc:
         return reject(item.uri, exc.reason, exc.detail)
     content_hash = signatures.content_hash(img)
-    phash = signatures.compute(img)
+    phash = signatures.corpus_codes(img)  # both directions of the dedup rule (dedup.index)
     image, fmt, width, height = resize_encode(img, opts)
     return {
         "_t": "record",

@@ -21,7 +21,7 @@ Columns (:data:`SCHEMA`, version :data:`SCHEMA_VERSION`):
                            bytes of a file name that are not UTF-8 appear as ``\\xNN`` (:func:`text_uri`)
 ``content_hash``  string   SHA-256 of the decoded pixels, ``dedup.signatures.content_hash`` (large
                            JPEGs are hashed as decoded at the DCT-draft scale for ``--size``)
-``phash``         binary   perceptual signature, ``dedup.signatures.compute`` of the decoded image
+``phash``         binary   perceptual signatures, ``dedup.signatures.corpus_codes`` of the decoded image
 
 ``manifest.json`` holds ``schema_version``, ``shards`` (``path`` relative to DIR,
 ``rows``, ``bytes``, ``sha256``; sorted by path), ``num_rows``, ``label_map``
