@@ -18,6 +18,9 @@ from typing import Any, Iterator, Mapping
 from common.text import utf8_text
 
 DEFAULT_EXPERIMENT = "vitscale"
+# MLflow 3.17's UI opens an experiment without this tag on its GenAI overview (traces,
+# latency), not on the runs; every vitscale experiment is model training.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def home() -> Path:
@@ -70,12 +73,16 @@ def _setup(experiment: str):
             art.mkdir(parents=True, exist_ok=True)
             artifact_location = art.as_uri()
         try:
-            exp_id = client.create_experiment(experiment, artifact_location=artifact_location)
+            return mlflow, client.create_experiment(
+                experiment, artifact_location=artifact_location, tags=dict([EXPERIMENT_KIND]))
         except Exception:  # another process created it first
-            exp_id = client.get_experiment_by_name(experiment).experiment_id
-    else:
-        exp_id = exp.experiment_id
-    return mlflow, exp_id
+            exp = client.get_experiment_by_name(experiment)
+    key, kind = EXPERIMENT_KIND
+    if key not in exp.tags:
+        # An experiment created before the tag existed, or by another tool; a kind someone
+        # chose on purpose is left alone.
+        client.set_experiment_tag(exp.experiment_id, key, kind)
+    return mlflow, exp.experiment_id
 
 
 def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
