@@ -40,6 +40,17 @@ def ui_command(uri: str | None = None) -> str:
     return f".venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
 
 
+def ui_url(experiment_id: str, base: str = "http://127.0.0.1:5000") -> str:
+    """The UI's page for an experiment, on its runs table.
+
+    MLflow 3.17's UI takes the experiment's kind from its GenAI / Model training switch (the
+    ``workflowType`` query parameter, else the browser's last choice, GenAI at first), not
+    from the ``mlflow.experimentKind`` tag: a bare experiment link opens on the empty GenAI
+    overview for a new user.
+    """
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
 def _use(uri: str) -> None:
     """``mlflow.set_tracking_uri(uri)`` without its side effect on ``os.environ``.
 

@@ -90,3 +90,8 @@ def test_experiments_are_marked_as_model_training(mlflow_store):
     with tracking.start_run("x", experiment="agents"):
         pass
     assert client.get_experiment(genai).tags["mlflow.experimentKind"] == "genai_development"
+
+
+def test_ui_url_opens_the_runs_table():
+    assert tracking.ui_url("7") == "http://127.0.0.1:5000/#/experiments/7?workflowType=machine_learning"
+    assert tracking.ui_url("7", "http://h:1/").startswith("http://h:1/#/experiments/7?")

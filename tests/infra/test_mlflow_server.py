@@ -85,7 +85,7 @@ def _wait_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 180) 
         try:
             if requests.get(url + "/health", timeout=2).status_code == 200:
                 return
-        except requests.ConnectionError:
+        except requests.RequestException:  # not listening yet, or busy starting
             pass
         time.sleep(0.5)
     pytest.fail(f"server.sh remote did not answer /health in {timeout:.0f}s: {log.read_text()[-3000:]}")
