@@ -113,11 +113,13 @@ def test_remote_server_on_postgres_with_basic_auth(postgres, tmp_path, free_port
     assert "--app-name basic-auth" in dry.stdout and DB_PASSWORD not in dry.stdout and "***@127.0.0.1" in dry.stdout
 
     log = tmp_path / "server.log"
+    t0 = time.monotonic()
     with open(log, "w") as out:
         proc = subprocess.Popen([str(SERVER), "remote"], env=server_env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         _wait_up(url, proc, log)
+        print(f"\nserver.sh remote up on Postgres in {time.monotonic() - t0:.0f}s")
         if tcp_listeners is not None:
             listening = tcp_listeners(proc.pid)
             assert listening and {a for a, _ in listening} <= loopback_addresses, listening
@@ -142,6 +144,7 @@ def test_remote_server_on_postgres_with_basic_auth(postgres, tmp_path, free_port
                              env=job_env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert job.returncode == 0, job.stderr[-3000:]
         assert not (tmp_path / "unused-local-store").exists()  # it logged to the server, not a local store
+        print(f"prepare logged through it by {time.monotonic() - t0:.0f}s")
 
         # The same job without credentials is refused by the server: it fails, and logs nothing.
         anon_env = {k: v for k, v in job_env.items() if not k.startswith("MLFLOW_TRACKING_")}

@@ -113,7 +113,9 @@ def test_the_ui_shows_every_stage_and_a_runs_params_metrics_and_plots(tmp_path, 
     home = tmp_path / "mlruns"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "VITSCALE_"))}
     env.update(VITSCALE_HOME=str(home), PYTHONPATH=str(REPO), MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"))
+    t0 = time.monotonic()
     _write_store(tmp_path, env)
+    print(f"stages wrote the store in {time.monotonic() - t0:.0f}s")
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -132,6 +134,7 @@ def test_the_ui_shows_every_stage_and_a_runs_params_metrics_and_plots(tmp_path, 
                 pass
             assert time.monotonic() < deadline, f"server.sh local did not come up: {log.read_text()[-3000:]}"
             time.sleep(0.5)
+        print(f"server up in {time.monotonic() - t0:.0f}s")
 
         exp = requests.get(url + "/api/2.0/mlflow/experiments/get-by-name", params={"experiment_name": "vitscale"},
                            timeout=10).json()["experiment"]
@@ -162,5 +165,6 @@ def test_the_ui_shows_every_stage_and_a_runs_params_metrics_and_plots(tmp_path, 
         dom = _render(f"{url}/#/experiments/{exp_id}/runs/{by_name['dedup']}/artifacts/dedup_report/contact_sheet.png{ml}",
                       tmp_path, shots / "dedup-contact-sheet.png")
         assert "dedup_summary.json" in _text(dom) and re.search(r"<img[^>]+contact_sheet\.png", dom), _text(dom)[:3000]
+        print(f"four pages rendered and checked by {time.monotonic() - t0:.0f}s")
     finally:
         stop_process_group(proc)
