@@ -110,7 +110,6 @@ def test_split_converter_is_deterministic(tasks, tmp_path):
 
 
 def test_tfds_converter_needs_tensorflow_datasets(tmp_path):
-    pytest.importorskip("PIL")
     try:
         import tensorflow_datasets  # noqa: F401
         pytest.skip("tensorflow-datasets is installed here")
