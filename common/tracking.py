@@ -117,8 +117,12 @@ def start_run(
     parent_run_id: str | None = None,
     run_name: str | None = None,
     tags: Mapping[str, str] | None = None,
+    run_id: str | None = None,
 ) -> Iterator[Any]:
     """Open an MLflow run for one stage, log its config as params, and yield the active run.
+
+    ``run_id`` reopens an existing run instead (a resumed sweep keeps its run and children);
+    its params, name and parent were set when it was created.
 
     ``parent_run_id`` defaults to ``$VITSCALE_PARENT_RUN_ID`` so that a driver such as
     the demo can nest stages it does not construct itself. The run ends FAILED if the
@@ -127,6 +131,10 @@ def start_run(
     os.environ.pop("MLFLOW_RUN_ID", None)
     parent_run_id = parent_run_id or os.environ.get("VITSCALE_PARENT_RUN_ID") or None
     mlflow, exp_id = _setup(experiment)
+    if run_id is not None:
+        with mlflow.start_run(run_id=run_id) as run:
+            yield run
+        return
     all_tags = {"vitscale.stage": stage, **{utf8_text(k): utf8_text(str(v)) for k, v in (tags or {}).items()}}
     with mlflow.start_run(
         experiment_id=exp_id,

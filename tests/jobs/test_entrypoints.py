@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-JOBS = ["prepare", "dedup", "pretrain", "finetune", "demo"]
+JOBS = ["prepare", "dedup", "pretrain", "finetune", "demo", "vtab", "vtab_prepare", "fewshot"]
 
 
 def run_job(name, *args, env=None, timeout=120):
@@ -46,6 +46,14 @@ def test_help(name):
         ("pretrain", ["--data", "/no/such/shards"], "data: /no/such/shards has no manifest.json"),
         ("finetune", ["--train", "/a", "--test", "/b", "--lrs", "-1"], "lrs: every learning rate must be positive"),
         ("demo", ["--epochs", "0"], "epochs: must be positive"),
+        ("finetune", ["--train", "/a", "--test", "/b", "--microbatch", "100"],
+         "microbatch: --batch-size 512 must be a multiple of --microbatch 100"),
+        ("vtab", ["--output", "/tmp/x"], "task: give --data-root DIR or at least one --task NAME=DIR"),
+        ("vtab", ["--task", "dtd"], "task: 'dtd': expected NAME=SRC"),
+        ("vtab", ["--task", "dtd=/no/such/dtd"], "task dtd: /no/such/dtd does not exist; prepare it with: "
+                                                 "python jobs/vtab_prepare.py --source tfds --task dtd"),
+        ("vtab_prepare", ["--source", "tfds", "--task", "nope", "--output", "/tmp/x"], "task: 'nope' is not a registry task"),
+        ("fewshot", ["--pretrained", "/no/m.safetensors", "--task", "dtd=/x"], "pretrained: /no/m.safetensors does not exist"),
     ],
 )
 def test_usage_errors_exit_2_and_name_the_problem(name, args, message):
