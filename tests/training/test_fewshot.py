@@ -29,36 +29,14 @@ def test_linearly_separable_features_reach_1():
 
 
 @pytest.fixture(scope="module")
-def task_dirs(tmp_path_factory):
-    from demo.data import build_vtab_tasks
-    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
-
-    root = tmp_path_factory.mktemp("fewshot")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "mlruns-prepare"))
-    try:
-        raw = build_vtab_tasks(root / "raw", train=60, test=20, size=32)
-        out = {}
-        for name in ("textures", "count"):
-            run_vtab_prepare(VtabPrepareConfig(source="folders", input=str(raw[name]), output=str(root / name),
-                                               size=32, train_size=40, val_size=12))
-            out[name] = root / name
-    finally:
-        mp.undo()
-    return out
+def task_dirs(tmp_path_factory, build_task_dirs):
+    return build_task_dirs(tmp_path_factory.mktemp("fewshot"), ["textures", "count"], train=60, test=20,
+                          train_size=40, val_size=12)
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    import torch
-
-    import vitcore
-
-    torch.manual_seed(0)
-    model = vitcore.create_model("Ti/8", num_classes=7, img_size=32, depth=2, representation_size=64)
-    path = tmp_path_factory.mktemp("pre") / "model.safetensors"
-    vitcore.save_checkpoint(model, path)
-    return path
+def pretrained(tmp_path_factory, build_pretrained):
+    return build_pretrained(tmp_path_factory.mktemp("pre") / "model.safetensors", img_size=32, representation_size=64)
 
 
 def test_fewshot_flow_computes_features_once_per_task(task_dirs, pretrained, tmp_path, mlflow_store, monkeypatch):

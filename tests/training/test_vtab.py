@@ -50,37 +50,14 @@ def test_aggregates_are_means_of_the_task_numbers():
 
 
 @pytest.fixture(scope="module")
-def tasks(tmp_path_factory):
+def tasks(tmp_path_factory, build_task_dirs):
     """Three generated tasks (digits, textures, shape counts) through the folders converter."""
-    from demo.data import build_vtab_tasks
-    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
-
-    root = tmp_path_factory.mktemp("vtab")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "mlruns-prepare"))
-    try:
-        raw = build_vtab_tasks(root / "raw", train=60, test=24, size=32)
-        out = {}
-        for name, src in raw.items():
-            run_vtab_prepare(VtabPrepareConfig(source="folders", input=str(src), output=str(root / name), size=32,
-                                               **SIZES))
-            out[name] = root / name
-    finally:
-        mp.undo()
-    return out
+    return build_task_dirs(tmp_path_factory.mktemp("vtab"), train=60, test=24, **SIZES)
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    import torch
-
-    import vitcore
-
-    torch.manual_seed(0)
-    model = vitcore.create_model("Ti/8", num_classes=7, img_size=16, depth=2, representation_size=192)
-    path = tmp_path_factory.mktemp("pre") / "model.safetensors"
-    vitcore.save_checkpoint(model, path)
-    return path
+def pretrained(tmp_path_factory, build_pretrained):
+    return build_pretrained(tmp_path_factory.mktemp("pre") / "model.safetensors", img_size=16, representation_size=192)
 
 
 def test_folders_converter_writes_three_splits_with_one_label_map(tasks):
