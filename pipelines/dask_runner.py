@@ -58,13 +58,16 @@ class DaskUnavailable(RuntimeError):
     """No scheduler at the address, or the package is missing: a usage error for the job."""
 
 
-def _import_distributed():
+def require_distributed():
+    """``distributed``, or DaskUnavailable naming the extra to install."""
     try:
         import distributed
     except ImportError:
         raise DaskUnavailable(
             "--runner dask needs dask.distributed; install the extra: pip install -c constraints.txt '.[dask]'"
         ) from None
+    # The client and a local cluster log each connection and worker at INFO; a job's terminal wants warnings.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
     return distributed
 
 
@@ -193,7 +196,7 @@ class DaskRunner(_beam_dask.DaskRunner):
     def run_pipeline(self, pipeline, options):
         import dask
 
-        distributed = _import_distributed()
+        distributed = require_distributed()
         from apache_beam.runners.dask.overrides import dask_overrides
 
         dask_options = options.view_as(_beam_dask.DaskOptions).get_all_options(drop_default=True, current_only=True)
@@ -211,7 +214,7 @@ class DaskRunner(_beam_dask.DaskRunner):
 
 def connect(address: str, timeout: float = CONNECT_TIMEOUT_S) -> int:
     """Check that a scheduler answers at ``address``; returns its number of workers (it may be 0)."""
-    distributed = _import_distributed()
+    distributed = require_distributed()
     try:
         with distributed.Client(address, timeout=timeout, set_as_default=False) as client:
             return len(client.scheduler_info(n_workers=-1)["workers"])
@@ -225,16 +228,17 @@ def connect(address: str, timeout: float = CONNECT_TIMEOUT_S) -> int:
 @contextlib.contextmanager
 def local_cluster(workers: int) -> Iterator[str]:
     """A LocalCluster of ``workers`` single-threaded processes on 127.0.0.1; yields the scheduler's address."""
-    distributed = _import_distributed()
-    import dask
+    distributed = require_distributed()
 
-    # Single-threaded workers: the decode path releases the GIL only in parts, and one
-    # process per core is what the DirectRunner's --workers means too.
-    with dask.config.set({"distributed.worker.daemon": False}):
-        cluster = distributed.LocalCluster(
-            n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-            dashboard_address=None, protocol="tcp", silence_logs=logging.WARNING,
-        )
+    # Single-threaded worker processes: the decode path holds the GIL for much of its time, and one
+    # process per core is what the DirectRunner's --workers means too. Everything on loopback:
+    # Dask's scheduler and workers take any client that reaches them, with no authentication.
+    # No dashboard; the scheduler's HTTP server (health, metrics) still starts, on a free loopback port.
+    cluster = distributed.LocalCluster(
+        n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1", protocol="tcp",
+        dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+        silence_logs=logging.WARNING,
+    )
     try:
         yield cluster.scheduler_address
     finally:

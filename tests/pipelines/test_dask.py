@@ -140,3 +140,109 @@ def test_beams_dask_runner_computes_a_side_input_again_and_ours_once(cluster, tm
         _side_input_pipeline(p, str(log), str(out))
     assert len(log.read_text().splitlines()) == 20
     assert json.loads(out.read_text()) == [x + 190 for x in range(20)]
+
+
+# -- the ingest on Dask against the DirectRunner -----------------------------------------------
+
+def _enc(img, fmt, **kw):
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+BAD = {
+    "bad/empty.jpg": "empty_file",
+    "bad/truncated.jpg": "truncated",
+    "bad/notes.txt": "not_an_image",
+    "bad/tiny.png": "too_small",
+    "bad/wide.png": "unexpected_error",  # JPEG cannot store 66000 px: an encoder exception, dead-lettered
+    "broken.tar": "corrupt_archive",
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, photos, noisy_copies):
+    """A dozen distinct photos in two classes, every kind of bad input, a corpus and a test-set duplicate."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("dask_corpus")
+    noisy_copies(root / "src", photos, 12, classes=2, class_prefix="class", spread=20, seed=3, size=(80, 64))
+    src = root / "src"
+    _write(src / "class0" / "chelsea.png", _enc(photos["chelsea"], "PNG"))
+    _write(src / "class1" / "chelsea_again.bmp", _enc(photos["chelsea"], "BMP"))  # a corpus duplicate
+    _write(src / "class1" / "astronaut_copy.png", _enc(photos["astronaut"], "PNG"))  # in the test set
+    _write(root / "test" / "t" / "astronaut.png", _enc(photos["astronaut"], "PNG"))
+    jpg = _enc(photos["coffee"], "JPEG")
+    _write(src / "bad" / "empty.jpg", b"")
+    _write(src / "bad" / "truncated.jpg", jpg[: len(jpg) // 2])
+    _write(src / "bad" / "notes.txt", b"not an image\n")
+    _write(src / "bad" / "tiny.png", _enc(photos["coffee"].resize((12, 10)), "PNG"))
+    _write(src / "bad" / "wide.png", _enc(Image.new("RGB", (66000, 17), (10, 200, 30)), "PNG"))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("x.jpg")
+        info.size = len(jpg)
+        tf.addfile(info, io.BytesIO(jpg))
+    _write(src / "broken.tar", buf.getvalue()[:700])
+    return root
+
+
+def _ingest(corpus: Path, out: Path, **kw) -> dict:
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    return run_prepare(PrepareConfig(input=[str(corpus / "src")], output=str(out), size=32, min_short_side=16,
+                                     shard_mb=0.004, test_set=[f"held_out={corpus / 'test'}"], **kw))
+
+
+def _rows(path: Path) -> list[dict]:
+    return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda r: json.dumps(r, sort_keys=True))
+
+
+@pytest.fixture(scope="module")
+def direct_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("direct") / "out"
+    return out, _ingest(corpus, out, workers=1)
+
+
+@pytest.fixture(scope="module")
+def dask_run(cluster, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dask_out") / "out"
+    return out, _ingest(corpus, out, runner="dask", dask_address=cluster.address)
+
+
+def test_dask_gives_the_same_shards_and_rows_as_the_direct_runner(dask_run, direct_run):
+    ref_out, ref = direct_run
+    out, manifest = dask_run
+    assert len(ref["shards"]) > 1
+    assert manifest["shards"] == ref["shards"]  # names, rows, sizes and sha256: byte-identical shards
+    for shard in ref["shards"]:
+        assert (out / shard["path"]).read_bytes() == (ref_out / shard["path"]).read_bytes()
+    assert manifest["counts"] == ref["counts"] and manifest["label_map"] == ref["label_map"]
+    c = manifest["counts"]
+    assert c["inputs"] == c["written"] + c["rejected_total"] + c["duplicates_total"]
+    assert c["duplicates"]["corpus"] == 1 and c["duplicates"]["held_out"] >= 1  # noisy copies match too
+    for name in ("quarantine.jsonl", "duplicates.jsonl"):
+        assert _rows(out / name) == _rows(ref_out / name)
+    ShardSet(out).verify()
+    assert not [p for p in os.listdir(out) if ".tmp-" in p or p.startswith(".staging-")]
+
+
+def test_bad_inputs_are_quarantined_on_dask_with_the_direct_runners_reasons(dask_run, direct_run):
+    _, ref = direct_run
+    out, manifest = dask_run
+    reasons = {r["uri"].split("/src/", 1)[1]: r["reason"] for r in _rows(out / "quarantine.jsonl")}
+    assert reasons == BAD
+    assert manifest["counts"]["rejected"] == ref["counts"]["rejected"]
+    (dead,) = [r for r in _rows(out / "quarantine.jsonl") if r["reason"] == "unexpected_error"]
+    assert "OSError" in dead["detail"]
