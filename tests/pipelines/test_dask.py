@@ -246,3 +246,70 @@ def test_bad_inputs_are_quarantined_on_dask_with_the_direct_runners_reasons(dask
     assert manifest["counts"]["rejected"] == ref["counts"]["rejected"]
     (dead,) = [r for r in _rows(out / "quarantine.jsonl") if r["reason"] == "unexpected_error"]
     assert "OSError" in dead["detail"]
+
+
+# -- jobs/prepare.py: usage errors are one line, exit 2 ------------------------------------------
+
+def _job(*args, timeout=300):
+    return subprocess.run([sys.executable, JOB, *args], capture_output=True, text=True, cwd=REPO, env=_env(),
+                          timeout=timeout)
+
+
+def _one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [ln for ln in stderr.splitlines() if "error" in ln.lower() and "prepare" in ln.lower()]
+    return line
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--runner", "Bogus"], "'Bogus' is not a runner prepare knows; use one of DirectRunner, direct, dask"),
+    (["--runner", "apache_beam.runners.dask.dask_runner.DaskRunner"], "is not a runner prepare knows"),
+    (["--runner", "dask", "--dask-address", "127.0.0.1:8786"], "expected a scheduler address like tcp://"),
+    (["--dask-address", "tcp://127.0.0.1:8786"], "dask_address: needs --runner dask"),
+    (["--runner", "dask", "--isolate-decoder"], "isolate_decoder: is not supported with --runner dask"),
+])
+def test_bad_runner_settings_exit_2_with_one_line(tmp_path, args, says):
+    r = _job("--input", str(tmp_path), "--output", str(tmp_path / "o"), *args)
+    assert r.returncode == 2 and says in _one_error_line(r.stderr), r.stderr[-2000:]
+
+
+def test_a_dask_address_with_no_scheduler_exits_2_with_one_line(tmp_path, free_port, photos):
+    _write(tmp_path / "src" / "k" / "a.png", _enc(photos["astronaut"], "PNG"))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    r = _job("--input", str(tmp_path / "src"), "--output", str(tmp_path / "o"), "--runner", "dask",
+             "--dask-address", address, "--beam-options=--dask_connection_timeout=2")
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 2 and f"--dask-address {address}: no Dask scheduler answered in 2 s" in line
+    assert "start one" in line
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+    r = _job("--input", str(tmp_path / "src"), "--output", str(tmp_path / "o"), "--runner", "dask", "--dask-address")
+    assert r.returncode == 2 and "dask-address" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- a cluster the job starts itself -------------------------------------------------------------
+
+def test_the_local_cluster_listens_on_loopback_only_and_is_stopped(corpus, direct_run, tmp_path, tcp_listeners,
+                                                                   loopback_addresses):
+    if tcp_listeners is None:
+        pytest.skip("reads listening sockets from /proc (Linux)")
+    seen: set[tuple[str, int]] = set()
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.update(tcp_listeners())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        manifest = _ingest(corpus, tmp_path / "out", runner="dask", workers=2)
+    finally:
+        done.set()
+        watcher.join()
+    assert manifest["shards"] == direct_run[1]["shards"]
+    # Scheduler, its HTTP server, and two workers with their nannies, all on loopback.
+    assert len({port for _, port in seen}) >= 6, sorted(seen)
+    assert {addr for addr, _ in seen} <= loopback_addresses, sorted(seen)
+    # Stopped at the end: nothing listens on those ports any more.
+    assert not tcp_listeners() & seen
