@@ -313,3 +313,40 @@ def test_the_local_cluster_listens_on_loopback_only_and_is_stopped(corpus, direc
     assert {addr for addr, _ in seen} <= loopback_addresses, sorted(seen)
     # Stopped at the end: nothing listens on those ports any more.
     assert not tcp_listeners() & seen
+
+
+# -- faults: last in the module, since it leaves the cluster one worker ----------------------------
+
+def test_a_worker_killed_mid_run_loses_nothing(cluster, corpus, direct_run, tmp_path):
+    """SIGKILL the worker holding the most results once the images start to spill: Dask runs its tasks again."""
+    from distributed import Client
+
+    _, ref = direct_run
+    out = tmp_path / "out"
+    cmd = [sys.executable, JOB, "--input", str(corpus / "src"), "--output", str(out), "--size", "32",
+           "--min-short-side", "16", "--shard-mb", "0.004", "--test-set", f"held_out={corpus / 'test'}",
+           "--runner", "dask", "--dask-address", cluster.address]
+    with Client(cluster.address, set_as_default=False) as client:
+        names = {addr: w["name"] for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        killed, held = None, 0
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any(out.glob(".staging-*/blobs/*.bin")):
+                has_what = client.has_what()
+                addr = max(has_what, key=lambda a: len(has_what[a]))
+                held = len(has_what[addr])
+                killed = cluster.workers[int(str(names[addr])[1:])]
+                os.kill(killed.pid, signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        stdout, stderr = proc.communicate(timeout=300)
+    assert killed is not None, "the job ended before any image was spilled; the kill did not happen mid-run"
+    assert killed.wait(timeout=30) == -signal.SIGKILL and held > 0
+    assert len(cluster.alive_workers()) == 1
+    assert proc.returncode == 0, stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["shards"] == ref["shards"] and manifest["counts"] == ref["counts"]
+    assert manifest["attempts"] == 1
+    ShardSet(out).verify()
+    assert not [p for p in os.listdir(out) if ".tmp-" in p or p.startswith(".staging-")]
