@@ -17,7 +17,12 @@ large corpus sees, and ``job_startup_s`` is what is left of the small run's time
 full run: with the images kept out of the shuffle (``pipelines/spill.py``) it grows with the
 number of records, not with their bytes.
 
-    python benchmarks/ingest_job.py [--n 400] [--megapixels 2] [--workers N]
+``runners`` compares the DirectRunner with ``--runner dask`` (a local ``dask.distributed``
+cluster the job starts, one single-threaded worker process each) at each ``--compare`` worker
+count, measured the same way: ``img_s_marginal`` and ``startup_s`` (for Dask, starting the
+cluster and its workers' imports). Each run must give the main run's shards.
+
+    python benchmarks/ingest_job.py [--n 400] [--megapixels 2] [--workers N] [--compare 1,2]
 
 The last line printed is one JSON object.
 """
@@ -74,11 +79,11 @@ def naive_file(path: str, size: int = 384, quality: int = 90) -> int:
     return len(buf.getvalue())
 
 
-def run_job(inputs: Path, output: Path, workers: int, home: Path) -> float:
+def run_job(inputs: Path, output: Path, workers: int, home: Path, runner: str = "DirectRunner") -> float:
     env = dict(os.environ, VITSCALE_HOME=str(home), OMP_NUM_THREADS="1")
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, str(REPO / "jobs" / "prepare.py"), "--input", str(inputs), "--output", str(output),
-           "--workers", str(workers)]
+           "--workers", str(workers), "--runner", runner]
     t = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -92,6 +97,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=400, help="photos")
     ap.add_argument("--megapixels", type=float, default=2.0)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--compare", default="1,2",
+                    help="worker counts at which to run the DirectRunner and a local Dask cluster side by side "
+                         "('' to skip)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="vitscale-ingest-job-") as tmp:
@@ -108,9 +116,26 @@ def main() -> None:
             (quarter / p.parent.name / p.name).symlink_to(p)
         small = run_job(quarter, tmp / "out-quarter", args.workers, tmp / "mlruns")
         job = run_job(tmp / "photos", tmp / "out", args.workers, tmp / "mlruns")
-        # The largest resident set of any finished child process so far (the runner or a Beam
-        # worker): the full run's, since the earlier runs were smaller and the pool has not run.
+        reference = json.loads((tmp / "out" / "manifest.json").read_text())["shards"]
+        # The peak so far is the full run's; the comparison below runs after it is read.
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+        # DirectRunner against a local Dask cluster (--runner dask) at the same worker counts, each
+        # measured like the main figure: start-up apart from the rate of the extra photos.
+        compare: dict[str, dict[str, dict[str, float]]] = {}
+        for workers in [int(w) for w in args.compare.split(",") if w.strip()]:
+            for runner in ("DirectRunner", "dask"):
+                key = f"{runner}_{workers}"
+                run_job(tmp / "one", tmp / f"one-{key}", workers, tmp / "mlruns", runner)
+                t_small = run_job(quarter, tmp / f"quarter-{key}", workers, tmp / "mlruns", runner)
+                t_full = run_job(tmp / "photos", tmp / f"full-{key}", workers, tmp / "mlruns", runner)
+                shards = json.loads((tmp / f"full-{key}" / "manifest.json").read_text())["shards"]
+                assert shards == reference, f"{key}: different shards from the DirectRunner's"
+                rate = (args.n - args.n // 4) / max(t_full - t_small, 1e-9)
+                compare.setdefault("dask" if runner == "dask" else "direct", {})[str(workers)] = {
+                    "img_s_marginal": round(rate, 1), "startup_s": round(t_small - (args.n // 4) / rate, 2),
+                    "wall_s": round(t_full, 2),
+                }
         manifest = json.loads((tmp / "out" / "manifest.json").read_text())
         assert manifest["counts"]["written"] == args.n, manifest["counts"]
 
@@ -137,6 +162,7 @@ def main() -> None:
         "job_peak_rss_mb": round(peak_mb),
         "pool_img_s": round(args.n / pool_wall, 1),
         "marginal_vs_pool": round(marginal * pool_wall / args.n, 2),
+        "runners": compare,
         "machine": machine.describe(),
     }
     print(json.dumps(result))
