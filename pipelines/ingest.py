@@ -3,9 +3,14 @@
 Graph (every arrow is a PCollection)::
 
     units --read--> items --process--> records ----test sets----> kept --spill--> --shuffle by content--> shards
-                      |  (dead letter)    | rejected (dead letter)     | duplicates              | corpus duplicates
-                      +---------------->  quarantine  <----------------+                         |
-                                                       duplicates.jsonl <------------------------+
+                      | rejected          | rejected                   | duplicates              | corpus duplicates
+                      +---------------->  quarantine                   +---> duplicates.jsonl <--+
+
+Each step has a single output whose elements say what they are (an item, or a row whose
+``_t`` is record, rejected, duplicate or shard), and ``Filter`` splits them: no tagged
+outputs, which Beam's DaskRunner routes wrongly (:mod:`pipelines.dask_runner`). An
+exception on one element is caught there and becomes a rejected row with reason
+``unexpected_error`` (the dead letter).
 
 The encoded images never cross the shuffle: the spill step parks them in
 per-bundle files under the run's staging folder and the records carry only a

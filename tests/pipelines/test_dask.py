@@ -350,3 +350,13 @@ def test_a_worker_killed_mid_run_loses_nothing(cluster, corpus, direct_run, tmp_
     assert manifest["attempts"] == 1
     ShardSet(out).verify()
     assert not [p for p in os.listdir(out) if ".tmp-" in p or p.startswith(".staging-")]
+
+
+@pytest.mark.parametrize("name", ["kubernetes.yaml", "jobqueue.yaml"])
+def test_dask_options_files_are_valid_configs(name):
+    from common.config import from_dict, load_file
+    from pipelines.config import PrepareConfig
+
+    data = load_file(REPO / "infra" / "dask" / name)
+    cfg = from_dict(PrepareConfig, {**data, "input": ["s3://b/in"], "output": "s3://b/out"})
+    assert cfg.runner == "dask" and all(o.startswith("--") for o in cfg.beam_options)
