@@ -17,9 +17,15 @@ Dask bag itself, and the consumer's task computes that bag when it first reads i
 everything upstream of a side input runs again inside a consumer's task, outside the
 cluster's scheduling: the ingest's shard count and label map (side inputs over every
 record) would decode the corpus again, and every ``CombineGlobally`` and ``ToList`` (they
-inject their default through a side input) would repeat the pipeline before it.
-:class:`DaskRunner` makes each side input an ordinary dependency of the consuming tasks,
-computed once on the cluster and passed to them as a list.
+inject their default through a side input) would repeat the pipeline before it. Worse, the
+values can come out wrong: a ``CombineGlobally(sum)`` read as a side input by a step that
+shares its input saw every element twice. :class:`DaskRunner` makes each side input an
+ordinary dependency of the consuming tasks, computed once on the cluster and passed to them
+as a list.
+
+**Only the last step runs.** The runner computes the Dask graph of the last transform
+applied and nothing else; a branch that does not feed it is silently skipped. Not worked
+around: the ingest's last step collects every output it has.
 
 **The client is never closed.** The stock runner opens a ``distributed.Client`` per run
 and keeps it, so a finished job waits on the scheduler and logs reconnection errors when
@@ -44,6 +50,7 @@ from typing import Iterator
 from apache_beam import pvalue
 from apache_beam.runners.dask import dask_runner as _beam_dask
 from apache_beam.runners.dask import transform_evaluator as _te
+from apache_beam.runners.runner import PipelineState
 from apache_beam.transforms.sideinputs import SideInputMap
 
 log = logging.getLogger(__name__)
@@ -186,7 +193,7 @@ class _Result(_beam_dask.DaskRunnerResult):
         try:
             return super().wait_until_finish(duration)
         finally:
-            if self.state in ("DONE", "FAILED", "CANCELLED") or duration is None:
+            if duration is None or self.state in (PipelineState.DONE, PipelineState.FAILED):
                 self.client.close()
 
 
