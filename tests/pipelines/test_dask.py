@@ -50,12 +50,12 @@ class Cluster:
         self.port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.logs = tmp
-        self.scheduler = self._start("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", str(self.port),
-                                                   "--no-dashboard"])
+        # --host alone leaves each process's HTTP server (health, metrics) on every interface.
+        http = ["--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
+        self.scheduler = self._start("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", str(self.port), *http])
         self.workers = [
             self._start(f"worker{i}", ["worker", self.address, "--host", "127.0.0.1", "--nthreads", "1",
-                                       "--no-nanny", "--no-dashboard", "--name", f"w{i}",
-                                       "--local-directory", str(tmp / f"w{i}")])
+                                       "--no-nanny", *http, "--name", f"w{i}", "--local-directory", str(tmp / f"w{i}")])
             for i in range(2)
         ]
         _wait_for_workers(self.address, 2)
@@ -292,12 +292,13 @@ def test_the_local_cluster_listens_on_loopback_only_and_is_stopped(corpus, direc
                                                                    loopback_addresses):
     if tcp_listeners is None:
         pytest.skip("reads listening sockets from /proc (Linux)")
+    before = tcp_listeners()  # the module's cluster, if it runs: not the job's
     seen: set[tuple[str, int]] = set()
     done = threading.Event()
 
     def watch():
         while not done.is_set():
-            seen.update(tcp_listeners())
+            seen.update(tcp_listeners() - before)
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)
