@@ -316,6 +316,22 @@ def test_the_local_cluster_listens_on_loopback_only_and_is_stopped(corpus, direc
     assert not tcp_listeners() & seen
 
 
+def test_a_run_that_cannot_complete_fails_loudly_and_shows_no_partial_shard(cluster, corpus, tmp_path):
+    """A shard writer that cannot rename its file (a folder sits under the shard's name) fails the run."""
+    import pyarrow.ipc as ipc
+
+    out = tmp_path / "out"
+    (out / "shard-00000.arrow").mkdir(parents=True)
+    r = _job("--input", str(corpus / "src"), "--output", str(out), "--size", "32", "--min-short-side", "16",
+             "--shard-mb", "0.004", "--runner", "dask", "--dask-address", cluster.address)
+    assert r.returncode == 1 and "shard-00000.arrow" in r.stderr and "IsADirectoryError" in r.stderr
+    assert not (out / "manifest.json").exists()
+    for path in out.glob("shard-*.arrow"):
+        if path.is_file():  # the others were written whole, or not at all
+            with open(path, "rb") as f:
+                assert ipc.open_file(f).read_all().num_rows > 0
+
+
 # -- faults: last in the module, since it leaves the cluster one worker ----------------------------
 
 def test_a_worker_killed_mid_run_loses_nothing(cluster, corpus, direct_run, tmp_path):
