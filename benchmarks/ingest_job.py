@@ -53,6 +53,7 @@ from PIL import Image  # noqa: E402
 import machine  # noqa: E402
 from ingest import _sources  # noqa: E402
 from pipelines.process import target_size  # noqa: E402
+from pipelines.schema import MANIFEST  # noqa: E402
 
 
 def write_photos(folder: Path, n: int, megapixels: float) -> list[Path]:
@@ -119,9 +120,13 @@ def main() -> None:
             (quarter / p.parent.name / p.name).symlink_to(p)
         small = run_job(quarter, tmp / "out-quarter", args.workers, tmp / "mlruns")
         job = run_job(tmp / "photos", tmp / "out", args.workers, tmp / "mlruns")
-        reference = json.loads((tmp / "out" / "manifest.json").read_text())["shards"]
-        # The peak so far is the full run's; the comparison below runs after it is read.
+        # The largest resident set of any finished child process so far (the runner or a Beam
+        # worker): the full run's, since the earlier runs were smaller and the comparison and
+        # the pool have not run.
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        manifest = json.loads((tmp / "out" / MANIFEST).read_text())
+        assert manifest["counts"]["written"] == args.n, manifest["counts"]
+        reference = manifest["shards"]
 
         # DirectRunner against a local Dask cluster (--runner dask) at the same worker counts. One
         # full run each after a one-image warm-up; the job's own clock (the MLflow metric wall_s,
@@ -136,7 +141,7 @@ def main() -> None:
                 key = f"{runner}_{workers}"
                 run_job(tmp / "one", tmp / f"one-{key}", workers, tmp / "mlruns", runner)
                 t_job = run_job(tmp / "photos", tmp / f"full-{key}", workers, tmp / "mlruns", runner)
-                manifest = json.loads((tmp / f"full-{key}" / "manifest.json").read_text())
+                manifest = json.loads((tmp / f"full-{key}" / MANIFEST).read_text())
                 assert manifest["shards"] == reference, f"{key}: different shards from the DirectRunner's"
                 m = tracking.get_run(manifest["mlflow_run_id"]).data.metrics
                 compare.setdefault("dask" if runner == "dask" else "direct", {})[str(workers)] = {

@@ -27,25 +27,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from common.photos import photo
+
 SHAPE_CLASSES = ("circle", "square", "triangle", "hstripes", "vstripes", "checker", "gradient", "ring")
 
-# Real photographs: (module, name). Grayscale ones are included on purpose: ingest turns them into RGB.
-PHOTO_SOURCES = (
-    ("skimage", "astronaut.png"),
-    ("skimage", "chelsea.png"),
-    ("skimage", "coffee.png"),
-    ("skimage", "hubble_deep_field.jpg"),
-    ("skimage", "retina.jpg"),
-    ("skimage", "rocket.jpg"),
-    ("skimage", "motorcycle_left.png"),
-    ("skimage", "ihc.png"),
-    ("skimage", "brick.png"),
-    ("skimage", "grass.png"),
-    ("skimage", "camera.png"),
-    ("skimage", "coins.png"),
-    ("sklearn", "china.jpg"),
-    ("sklearn", "flower.jpg"),
-)
+# Real photographs (common.photos), one class each. Grayscale ones are included on purpose: ingest turns them into RGB.
+PHOTO_NAMES = ("astronaut.png", "chelsea.png", "coffee.png", "hubble_deep_field.jpg", "retina.jpg", "rocket.jpg",
+               "motorcycle_left.png", "ihc.png", "brick.png", "grass.png", "camera.png", "coins.png",
+               "china.jpg", "flower.jpg")
 
 
 @dataclasses.dataclass
@@ -68,16 +57,6 @@ class DemoData:
         return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
 
 
-def photo(source: str, name: str) -> Image.Image:
-    """Load one bundled real photograph as RGB (no network: the files ship inside the wheels)."""
-    if source == "skimage":
-        import skimage
-
-        path = Path(skimage.__file__).parent / "data" / name
-        return Image.open(path).convert("RGB")
-    from sklearn.datasets import load_sample_image
-
-    return Image.fromarray(load_sample_image(name)).convert("RGB")
 
 
 def _random_colour(rng: np.random.Generator) -> tuple[int, int, int]:
@@ -181,10 +160,10 @@ def build(
         for i in range(per_shape):
             _save(draw_shape(kind, image_size, rng), corpus / kind / f"{kind}_{i:04d}", rng)
             n += 1
-    for source, name in PHOTO_SOURCES:
+    for name in PHOTO_NAMES:
         cls = Path(name).stem
         (corpus / cls).mkdir(parents=True)
-        base = photo(source, name)
+        base = photo(name)
         for i in range(per_photo):
             _save(random_crop(base, image_size, rng), corpus / cls / f"{cls}_{i:04d}", rng)
             n += 1
@@ -241,7 +220,7 @@ def build(
         planted=planted,
         corrupt=corrupt,
         exact_copies=copies,
-        classes=len(SHAPE_CLASSES) + len(PHOTO_SOURCES),
+        classes=len(SHAPE_CLASSES) + len(PHOTO_NAMES),
         downstream_classes=10,
         train_images=train_images,
         test_images=test_images,

@@ -93,6 +93,7 @@ def _stage(n: int, text: str) -> None:
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from common import tracking
+    from common.fs import atomic_write, make_output_dir
     from demo import data as demo_data
     from training.finetune import FinetuneConfig, run_finetune
     from training.pretrain import PretrainConfig, run_pretrain
@@ -106,9 +107,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         import mlflow  # noqa: F401  (it sets its loggers to INFO when imported; quieten them after)
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
+    work = make_output_dir(cfg.workdir, "workdir")
     init_ray(log_to_driver=cfg.verbose)
-    work = Path(cfg.workdir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
     # The demo is a fresh run each time: its fixed run name would otherwise resume (and so
     # skip) the previous demo's pre-training. The MLflow store is kept, so runs accumulate.
     for stale in ("pretrain", "finetune"):
@@ -172,7 +172,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         tracking.log_metrics({f"time_{k}_s": v for k, v in timings.items()})
         tracking.log_dict(summary, "demo_summary.json")
         tracking.log_text(format_table(summary), "demo_results.txt")
-    (work / "demo_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write(work / "demo_summary.json", json.dumps(summary, indent=2, default=str))
     return summary
 
 

@@ -159,8 +159,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Run the learning-rate grid; returns one row per rate and the one selected on val accuracy."""
     from ray import tune
 
-    from pipelines.schema import ShardSet
+    from pipelines.schema import MANIFEST, ShardSet
     from common import tracking
+    from common.fs import atomic_open, atomic_write, make_output_dir
     from training.data import split_rows
     from training.ray_utils import init_ray
 
@@ -174,8 +175,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
             path = path / MODEL_FILE
         if name == "pretrained" and not path.is_file():
             raise ConfigError(f"pretrained: {path} does not exist; pass the {MODEL_FILE} that jobs/pretrain.py wrote")
-        if name != "pretrained" and not (path / "manifest.json").is_file():
-            raise ConfigError(f"{name}: {path} has no manifest.json; produce it with jobs/prepare.py --output {path}")
+        if name != "pretrained" and not (path / MANIFEST).is_file():
+            raise ConfigError(f"{name}: {path} has no {MANIFEST}; produce it with jobs/prepare.py --output {path}")
         resolved[name] = str(path)
     cfg = dataclasses.replace(cfg, **resolved)
     train_set, test_set = ShardSet(cfg.train), ShardSet(cfg.test)
@@ -194,8 +195,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         )
     if len(test_set) == 0:
         raise ConfigError(f"test: {cfg.test} has no rows; check its quarantine.jsonl or ingest more images")
-    output = Path(cfg.output).expanduser().resolve()
-    output.mkdir(parents=True, exist_ok=True)
+    output = make_output_dir(cfg.output)
     init_ray(cfg.ray_address)
 
     uri = tracking.tracking_uri()
@@ -228,8 +228,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         rows.sort(key=lambda r: r["lr"])
         best = grid.get_best_result(metric="val_accuracy", mode="max", filter_nan_and_inf=True)
         model_path = output / MODEL_FILE
-        with best.checkpoint.as_directory() as d:
-            shutil.copyfile(Path(d) / MODEL_FILE, model_path)
+        with best.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
+                atomic_open(model_path) as dst:
+            shutil.copyfileobj(src, dst)
         summary = {
             "trials": rows,
             "failed": failed,
@@ -243,5 +244,5 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
                               "val_accuracy": summary["selected_val_accuracy"],
                               "test_accuracy": summary["selected_test_accuracy"]})
         tracking.log_dict(summary, "finetune_summary.json")
-        (output / "finetune_summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write(output / "finetune_summary.json", json.dumps(summary, indent=2))
     return summary

@@ -312,21 +312,21 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from pipelines.schema import ShardSet
+    from pipelines.schema import MANIFEST, ShardSet
     from common import tracking
+    from common.fs import atomic_open, atomic_write, make_output_dir
     from training.data import holdout_mask, shard_keys
     from training.ray_utils import init_ray
 
     data = Path(cfg.data).expanduser()
-    if not (data / "manifest.json").is_file():
-        raise ConfigError(f"data: {data} has no manifest.json; run jobs/prepare.py --output {data} first")
+    if not (data / MANIFEST).is_file():
+        raise ConfigError(f"data: {data} has no {MANIFEST}; run jobs/prepare.py --output {data} first")
     shards = ShardSet(str(data))
     cfg = dataclasses.replace(cfg, data=str(data.resolve()))
     # Checked here too, before Ray starts, so the user gets one line instead of worker tracebacks.
     train_rows = int((~holdout_mask(shard_keys(shards), cfg.holdout)).sum())
     steps_per_epoch_or_error(str(data), train_rows, cfg.batch_size, cfg.num_workers)
-    output = Path(cfg.output).expanduser().resolve()
-    output.mkdir(parents=True, exist_ok=True)
+    output = make_output_dir(cfg.output)
     init_ray(cfg.ray_address)
 
     datasets = {}
@@ -363,12 +363,13 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         if result.error:
             raise _config_error_from_workers(result.error) or result.error
         model_path = output / MODEL_FILE
-        with result.checkpoint.as_directory() as d:
-            shutil.copyfile(Path(d) / MODEL_FILE, model_path)
+        with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
+                atomic_open(model_path) as dst:
+            shutil.copyfileobj(src, dst)
         metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
         summary = {"metrics": metrics, "model": str(model_path), "mlflow_run_id": run.info.run_id,
                    "label_map": shards.label_map, "objective": cfg.objective}
-        (output / "pretrain_summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write(output / "pretrain_summary.json", json.dumps(summary, indent=2))
         tracking.log_dict(summary, "pretrain_summary.json")
         tracking.log_artifact(model_path, "model")
     return summary

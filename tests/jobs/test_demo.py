@@ -6,6 +6,7 @@ import pyarrow.ipc as ipc
 
 from common import tracking
 from demo.run import format_table
+from pipelines.schema import MANIFEST
 
 
 def test_ingest_counts_reconcile_and_planted_copies_are_dropped(small_demo):
@@ -21,7 +22,7 @@ def test_ingest_counts_reconcile_and_planted_copies_are_dropped(small_demo):
 
 def test_planted_copies_are_absent_from_the_shards(small_demo):
     corpus = small_demo["work"] / "shards" / "corpus"
-    manifest = json.loads((corpus / "manifest.json").read_text())
+    manifest = json.loads((corpus / MANIFEST).read_text())
     sources = []
     for shard in manifest["shards"]:
         with ipc.open_file(corpus / shard["path"]) as f:
