@@ -13,7 +13,7 @@ $(PY):
 # torch first and pinned: an unpinned torch resolves to a multi-GB CUDA build.
 $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,dask]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -17,7 +17,15 @@ large corpus sees, and ``job_startup_s`` is what is left of the small run's time
 full run: with the images kept out of the shuffle (``pipelines/spill.py``) it grows with the
 number of records, not with their bytes.
 
-    python benchmarks/ingest_job.py [--n 400] [--megapixels 2] [--workers N]
+``runners`` compares the DirectRunner with ``--runner dask`` (a local ``dask.distributed``
+cluster the job starts, one single-threaded worker process each) at each ``--compare`` worker
+count: one run of all the photos each, after a one-image warm-up. ``img_s`` is the photos over
+the job's own pipeline time (MLflow ``wall_s``: Beam's workers or the Dask workers' first
+imports included); ``startup_s`` is the rest of the job's wall time (interpreter, imports,
+MLflow, and for Dask starting the cluster, given apart as ``cluster_startup_s``). Each run must
+give the main run's shards.
+
+    python benchmarks/ingest_job.py [--n 400] [--megapixels 2] [--workers N] [--compare 1,2]
 
 The last line printed is one JSON object.
 """
@@ -75,11 +83,11 @@ def naive_file(path: str, size: int = 384, quality: int = 90) -> int:
     return len(buf.getvalue())
 
 
-def run_job(inputs: Path, output: Path, workers: int, home: Path) -> float:
+def run_job(inputs: Path, output: Path, workers: int, home: Path, runner: str = "DirectRunner") -> float:
     env = dict(os.environ, VITSCALE_HOME=str(home), OMP_NUM_THREADS="1")
     env.pop("MLFLOW_TRACKING_URI", None)
     cmd = [sys.executable, str(REPO / "jobs" / "prepare.py"), "--input", str(inputs), "--output", str(output),
-           "--workers", str(workers)]
+           "--workers", str(workers), "--runner", runner]
     t = time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t
@@ -93,6 +101,9 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=400, help="photos")
     ap.add_argument("--megapixels", type=float, default=2.0)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--compare", default="1,2",
+                    help="worker counts at which to run the DirectRunner and a local Dask cluster side by side "
+                         "('' to skip)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="vitscale-ingest-job-") as tmp:
@@ -110,10 +121,35 @@ def main() -> None:
         small = run_job(quarter, tmp / "out-quarter", args.workers, tmp / "mlruns")
         job = run_job(tmp / "photos", tmp / "out", args.workers, tmp / "mlruns")
         # The largest resident set of any finished child process so far (the runner or a Beam
-        # worker): the full run's, since the earlier runs were smaller and the pool has not run.
+        # worker): the full run's, since the earlier runs were smaller and the comparison and
+        # the pool have not run.
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
         manifest = json.loads((tmp / "out" / MANIFEST).read_text())
         assert manifest["counts"]["written"] == args.n, manifest["counts"]
+        reference = manifest["shards"]
+
+        # DirectRunner against a local Dask cluster (--runner dask) at the same worker counts. One
+        # full run each after a one-image warm-up; the job's own clock (the MLflow metric wall_s,
+        # from the pipeline's start to its end) splits its time into throughput and start-up,
+        # which differencing two runs cannot do reliably on a loaded machine.
+        os.environ["VITSCALE_HOME"] = str(tmp / "mlruns")
+        from common import tracking
+
+        compare: dict[str, dict[str, dict[str, float]]] = {}
+        for workers in [int(w) for w in args.compare.split(",") if w.strip()]:
+            for runner in ("DirectRunner", "dask"):
+                key = f"{runner}_{workers}"
+                run_job(tmp / "one", tmp / f"one-{key}", workers, tmp / "mlruns", runner)
+                t_job = run_job(tmp / "photos", tmp / f"full-{key}", workers, tmp / "mlruns", runner)
+                manifest = json.loads((tmp / f"full-{key}" / MANIFEST).read_text())
+                assert manifest["shards"] == reference, f"{key}: different shards from the DirectRunner's"
+                m = tracking.get_run(manifest["mlflow_run_id"]).data.metrics
+                compare.setdefault("dask" if runner == "dask" else "direct", {})[str(workers)] = {
+                    "img_s": round(args.n / m["wall_s"], 1),
+                    "pipeline_s": round(m["wall_s"], 2),
+                    "startup_s": round(t_job - m["wall_s"], 2),
+                    **({"cluster_startup_s": round(m["dask_startup_s"], 2)} if runner == "dask" else {}),
+                }
 
         t = time.perf_counter()
         with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
@@ -138,6 +174,7 @@ def main() -> None:
         "job_peak_rss_mb": round(peak_mb),
         "pool_img_s": round(args.n / pool_wall, 1),
         "marginal_vs_pool": round(marginal * pool_wall / args.n, 2),
+        "runners": compare,
         "machine": machine.describe(),
     }
     print(json.dumps(result))

@@ -3,9 +3,14 @@
 Graph (every arrow is a PCollection)::
 
     units --read--> items --process--> records ----test sets----> kept --spill--> --shuffle by content--> shards
-                      |  (dead letter)    | rejected (dead letter)     | duplicates              | corpus duplicates
-                      +---------------->  quarantine  <----------------+                         |
-                                                       duplicates.jsonl <------------------------+
+                      | rejected          | rejected                   | duplicates              | corpus duplicates
+                      +---------------->  quarantine                   +---> duplicates.jsonl <--+
+
+Each step has a single output whose elements say what they are (an item, or a row whose
+``_t`` is record, rejected, duplicate or shard), and ``Filter`` splits them: no tagged
+outputs, which Beam's DaskRunner routes wrongly (:mod:`pipelines.dask_runner`). An
+exception on one element is caught there and becomes a rejected row with reason
+``unexpected_error`` (the dead letter).
 
 The encoded images never cross the shuffle: the spill step parks them in
 per-bundle files under the run's staging folder and the records carry only a
@@ -40,6 +45,7 @@ import logging
 import math
 import os
 import time
+import traceback
 import uuid
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -127,24 +133,61 @@ def load_label_map(path: str) -> dict[str, int]:
 # -- pipeline steps (module-level so they pickle by reference) ---------------------------------
 
 def _read_unit(unit: Unit, max_bytes: int | None = None) -> Iterator[Any]:
+    """A unit's items, or a single quarantine row for the unit if reading it fails.
+
+    All or nothing, like Beam's dead-letter output this replaces: a unit that fails half
+    way contributes its rejection only, so each input is counted once.
+    """
     from apache_beam.metrics import Metrics
 
-    counter = Metrics.counter(NAMESPACE, "inputs")
-    for item in expand(unit, max_bytes=max_bytes):
-        counter.inc()
-        yield item.materialize()
+    try:
+        items = [item.materialize() for item in expand(unit, max_bytes=max_bytes)]
+    except Exception as exc:  # noqa: BLE001 - any failure of one source becomes its quarantine row
+        yield _unit_failed(unit, exc)
+        return
+    Metrics.counter(NAMESPACE, "inputs").inc(len(items))
+    yield from items
 
 
-def _unit_failed(bad) -> dict[str, Any]:
-    unit, (exc_type, exc_repr, _tb) = bad
-    return reject(unit.uris[0], "unexpected_error", f"{unit.uris[0]}: reading the source failed: {exc_repr}")
+def _unit_failed(unit: Unit, exc: BaseException) -> dict[str, Any]:
+    return reject(unit.uris[0], "unexpected_error", f"{unit.uris[0]}: reading the source failed: {exc!r}")
 
 
-def _item_failed(bad) -> dict[str, Any]:
+def _process(item, opts: ProcessOptions) -> dict[str, Any]:
+    """:func:`process_item`, with any exception it raises turned into an ``unexpected_error`` row (dead letter)."""
+    try:
+        return process_item(item, opts)
+    except Exception as exc:  # noqa: BLE001 - one bad item must not fail the job
+        uri = getattr(item, "uri", repr(item)[:200])
+        log.warning("unexpected error on %s: %s", uri, "".join(traceback.format_exception(exc)[-3:]))
+        return reject(uri, "unexpected_error", f"{uri}: {exc!r}")
+
+
+def _item_crashed(bad) -> dict[str, Any]:
+    """A dead-letter element of ``--isolate-decoder``'s subprocess: the decoder crashed the process."""
     item, (exc_type, exc_repr, tb) = bad
-    log.warning("unexpected error on %s: %s", getattr(item, "uri", item), "".join(tb[-3:]))
     uri = getattr(item, "uri", repr(item)[:200])
     return reject(uri, "unexpected_error", f"{uri}: {exc_repr}")
+
+
+def _kind(row) -> str:
+    """What a pipeline element is: a source item, or a row's ``_t`` (record, rejected, duplicate, shard)."""
+    return row["_t"] if isinstance(row, dict) else "item"
+
+
+def _is(row, kind: str) -> bool:
+    return _kind(row) == kind
+
+
+def _split(pcoll, name: str, kinds: tuple[str, ...]) -> dict[str, Any]:
+    """``pcoll`` split by kind, one ``Filter`` each: the same on every runner, unlike tagged outputs.
+
+    Beam's DaskRunner hands every tagged output of a ParDo (``with_outputs``, ``Partition``,
+    ``with_exception_handling``) all of the ParDo's elements (pipelines/dask_runner.py).
+    """
+    import apache_beam as beam
+
+    return {kind: pcoll | f"{name}{kind.capitalize()}" >> beam.Filter(_is, kind) for kind in kinds}
 
 
 def _count(name: str):
@@ -250,9 +293,23 @@ def _in_process(cfg: PrepareConfig) -> bool:
     return _direct(cfg) and cfg.workers == 1
 
 
-def pipeline_options(cfg: PrepareConfig):
+def _dask(cfg: PrepareConfig) -> bool:
+    return cfg.runner == "dask"
+
+
+def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, partitions: int | None = None):
+    """Beam options for ``cfg``; on Dask, ``dask_address`` is the scheduler and ``partitions`` the input's units."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
+    if _dask(cfg):
+        from pipelines import dask_runner
+
+        flags = [f"--runner={dask_runner.RUNNER}", f"--dask_client_address={dask_address or cfg.dask_address}"]
+        if partitions:
+            # One Dask partition per source unit (16 files, a tar, a shard): Beam's default packs
+            # up to 128 elements per partition, which would give a small corpus one task in all.
+            flags.append(f"--dask_npartitions={partitions}")
+        return PipelineOptions(flags + list(cfg.beam_options))
     flags = [f"--runner={cfg.runner}"]
     if _direct(cfg):
         # One worker runs in-process: the multi-process mode costs seconds of
@@ -296,25 +353,34 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
     opts = ProcessOptions.from_config(cfg, label_map)
     shard_bytes = cfg.shard_mb * 1e6
 
+    # Every step has one output; its elements say what they are (an item, a record, a rejected,
+    # duplicate or shard row) and Filters split them. Failures are caught per element into
+    # rejected rows (reason unexpected_error: the dead letter), never routed by tagged outputs.
     max_bytes = int(cfg.max_file_mb * 1e6)
-    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes).with_exception_handling()
-    items, unit_errors = read["good"], read["bad"] | "UnitFailed" >> beam.Map(_unit_failed)
-    inputs = _count_row((items, unit_errors), "Inputs", "inputs")
+    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes)
+    inputs = _count_row((read,), "Inputs", "inputs")
+    read_kinds = _split(read, "Read", ("item", "rejected"))
 
-    processed = items | "Process" >> beam.Map(process_item, opts).with_exception_handling(
-        use_subprocess=cfg.isolate_decoder
-    )
-    item_errors = processed["bad"] | "ItemFailed" >> beam.Map(_item_failed)
-    split = processed["good"] | "SplitProcessed" >> beam.Partition(lambda r, n: 0 if r["_t"] == "record" else 1, 2)
-    records, rejected = split[0], split[1]
+    if cfg.isolate_decoder:
+        # A crash of a native decoder kills the process, so no except clause sees it: Beam's
+        # subprocess dead letter does. Tagged outputs again, so config refuses this on Dask.
+        isolated = read_kinds["item"] | "Process" >> beam.Map(_process, opts).with_exception_handling(
+            use_subprocess=True
+        )
+        crashed = isolated["bad"] | "ItemCrashed" >> beam.Map(_item_crashed)
+        processed = (isolated["good"], crashed) | "AllProcessed" >> beam.Flatten()
+    else:
+        processed = read_kinds["item"] | "Process" >> beam.Map(_process, opts)
+    processed_kinds = _split(processed, "Processed", ("record", "rejected"))
+    records = processed_kinds["record"]
 
     dup_parts = []
     if index is not None:
         index_side = AsSingleton(p | "TestSetIndex" >> beam.Create([index]))
         matched = records | "MatchTestSets" >> beam.Map(_match_test_sets, index_side)
-        split = matched | "SplitTestDups" >> beam.Partition(lambda r, n: 0 if r["_t"] == "record" else 1, 2)
-        records = split[0]
-        dup_parts.append(split[1])
+        matched_kinds = _split(matched, "Matched", ("record", "duplicate"))
+        records = matched_kinds["record"]
+        dup_parts.append(matched_kinds["duplicate"])
 
     # From here on only metadata travels: the images wait in staging files (pipelines/spill.py).
     from pipelines.spill import SpillImages
@@ -348,13 +414,14 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         | "GroupShard" >> beam.GroupByKey()
         | "WriteShard" >> beam.FlatMap(_write_shard, out_url, staging_url, AsSingleton(labels_pc))
     )
-    split = written | "SplitCorpusDups" >> beam.Partition(lambda r, n: 0 if r["_t"] == "shard" else 1, 2)
-    shards = split[0]
-    dup_parts.append(split[1])
+    written_kinds = _split(written, "Written", ("shard", "duplicate"))
+    shards = written_kinds["shard"]
+    dup_parts.append(written_kinds["duplicate"])
 
-    all_rejected = (rejected, unit_errors, item_errors) | "AllRejected" >> beam.Flatten() | "CountRejected" >> beam.Map(_count("rejected"))
+    all_rejected = (read_kinds["rejected"], processed_kinds["rejected"]) | "AllRejected" >> beam.Flatten() | "CountRejected" >> beam.Map(_count("rejected"))
     all_dups = tuple(dup_parts) | "AllDuplicates" >> beam.Flatten() | "CountDuplicates" >> beam.Map(_count("duplicates"))
     label_rows = labels_pc | "LabelsRow" >> beam.Map(lambda m: {"_t": "label_map", "map": m})
+    # Last, and fed by every step: Beam's DaskRunner computes only the last step's graph.
     (
         (inputs, all_rejected, all_dups, shards, label_rows, to_shards)
         | "AllOutputs" >> beam.Flatten()
@@ -405,6 +472,11 @@ def _check_process_local(cfg: PrepareConfig) -> None:
         return
     for what, url in [("output", cfg.output), *(("input", u) for u in cfg.input)]:
         if str(url).startswith("memory://"):
+            if not _direct(cfg):
+                raise PrepareError(
+                    f"{what} {url}: memory:// exists only inside this process, but --runner {cfg.runner} runs the "
+                    "work in other processes; use a filesystem every worker shares (a mount or an object store URL)"
+                )
             raise PrepareError(
                 f"{what} {url}: memory:// exists only inside this process, but the {cfg.runner} with "
                 f"--workers {cfg.workers} runs the work in other processes; use --workers 1 or a shared filesystem"
@@ -434,6 +506,49 @@ def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
     return units
 
 
+def _check_dask(cfg: PrepareConfig) -> int | None:
+    """With ``--dask-address``: the number of workers its scheduler has, or a PrepareError if none answers."""
+    if not _dask(cfg):
+        return None
+    try:
+        from pipelines import dask_runner
+    except ImportError as exc:
+        raise PrepareError(
+            f"--runner dask needs dask.distributed ({exc}); install the extra: pip install -c constraints.txt '.[dask]'"
+        ) from None
+    try:
+        if cfg.dask_address is None:
+            return cfg.workers
+        timeout = next((float(o.split("=", 1)[1]) for o in cfg.beam_options
+                        if o.startswith("--dask_connection_timeout=")), dask_runner.CONNECT_TIMEOUT_S)
+        workers = dask_runner.connect(cfg.dask_address, timeout)
+    except dask_runner.DaskUnavailable as exc:
+        raise PrepareError(str(exc)) from None
+    if workers == 0:
+        log.warning("prepare: the Dask scheduler at %s has no workers yet; the job waits for them", cfg.dask_address)
+    return workers
+
+
+@dataclasses.dataclass
+class _Engine:
+    address: str | None  # the Dask scheduler, when the runner is dask
+    workers: int  # worker processes, for the per-worker rate
+    startup_s: float  # starting a local cluster, if one was started
+
+
+@contextlib.contextmanager
+def _engine(cfg: PrepareConfig, cluster_workers: int | None) -> Iterator[_Engine]:
+    """Where the pipeline runs: for ``--runner dask`` without an address, a local cluster for the job's length."""
+    t0 = time.perf_counter()
+    if _dask(cfg) and cfg.dask_address is None:
+        from pipelines import dask_runner
+
+        with dask_runner.local_cluster(cfg.workers) as address:
+            yield _Engine(address, cfg.workers, time.perf_counter() - t0)
+        return
+    yield _Engine(cfg.dask_address, cluster_workers or cfg.workers, 0.0)
+
+
 def run_prepare(cfg: PrepareConfig) -> dict:
     """Run the ingest described by ``cfg`` and return the manifest (also written to ``cfg.output``).
 
@@ -448,6 +563,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     from pipelines.testsets import check_sources
 
     units = plan_inputs(cfg)
+    cluster_workers = _check_dask(cfg)
     label_map = load_label_map(cfg.label_map) if cfg.label_map else None
     test_sets = cfg.test_sets()
     check_sources(test_sets)
@@ -465,7 +581,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     _clean_leftovers(fs, root)
 
     params = vconfig.to_dict(cfg)
-    with tracking.start_run("prepare", params=params) as run:
+    with _engine(cfg, cluster_workers) as engine, tracking.start_run("prepare", params=params) as run:
         index = None
         if test_sets:
             from pipelines.testsets import build_test_set_index
@@ -479,7 +595,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             staging = f"{root}/.staging-{uuid.uuid4().hex}"
             fs.makedirs(staging, exist_ok=True)
-            with beam.Pipeline(options=pipeline_options(run_cfg)) as p:
+            options = pipeline_options(run_cfg, dask_address=engine.address, partitions=len(units))
+            with beam.Pipeline(options=options) as p:
                 build_pipeline(p, units, cfg, label_map, index, out_url, fs.unstrip_protocol(staging))
             outputs = _read_staging(fs, staging)
             try:
@@ -502,7 +619,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                             " in one process (--workers 1)" if run_cfg is not cfg else "")
                 fs.rm(staging, recursive=True)
         wall = time.perf_counter() - t0
-        beam_counters = _beam_counters(p)
+        # Beam's DaskRunner reports no metrics (pipelines/dask_runner.py); the counts come from outputs.
+        beam_counters = {} if _dask(cfg) else _beam_counters(p)
         manifest["attempts"] = attempt
         manifest["mlflow_run_id"] = run.info.run_id
         manifest["config"] = params
@@ -514,6 +632,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             if path.rsplit("/", 1)[-1] not in keep:
                 fs.rm(path)  # a shard of an earlier run with more shards
         fs.rm(staging, recursive=True)
+        # A worker killed while writing a shard leaves its temporary file; the task ran again elsewhere.
+        _clean_leftovers(fs, root)
         atomic_write(f"{root}/{schema.MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode(), fs)
 
         counts = manifest["counts"]
@@ -522,8 +642,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             "rejected": counts["rejected_total"], "duplicates": counts["duplicates_total"],
             "shards": len(manifest["shards"]), "output_mb": sum(s["bytes"] for s in manifest["shards"]) / 1e6,
             "wall_s": wall, "attempts": attempt, "images_per_s": counts["inputs"] / wall if wall > 0 else 0.0,
-            "images_per_s_per_worker": counts["inputs"] / wall / cfg.workers if wall > 0 else 0.0,
+            "images_per_s_per_worker": counts["inputs"] / wall / max(engine.workers, 1) if wall > 0 else 0.0,
         }
+        if _dask(cfg):
+            metrics.update({"dask_workers": engine.workers, "dask_startup_s": engine.startup_s})
         metrics.update({f"rejected.{k}": v for k, v in counts["rejected"].items()})
         metrics.update({f"duplicates.{k}": v for k, v in counts["duplicates"].items()})
         metrics.update({f"beam.{k}": v for k, v in beam_counters.items()})

@@ -1,0 +1,252 @@
+"""Beam 2.77 on a ``dask.distributed`` cluster: the runner the ingest uses, and the clusters it starts.
+
+Every workaround for Beam's ``DaskRunner`` lives here. What Beam 2.77 gets wrong on Dask, and
+what the project does about each (``tests/pipelines/test_dask.py`` shows each behaviour):
+
+**Tagged outputs.** The DaskRunner turns a ``ParDo`` into one Dask bag that holds everything the
+``DoFn`` emitted, and hands that whole bag to every consumer: a ``ParDo`` with ``with_outputs``
+delivers the main output's elements to each tagged output too, and so do
+``with_exception_handling`` (its dead-letter output gets the good elements) and
+``beam.Partition``. Not worked around here: the ingest (:mod:`pipelines.ingest`) uses no tagged
+outputs on any runner. Each step has one output whose records say their kind, split by
+``beam.Filter``. ``--isolate-decoder`` needs ``with_exception_handling(use_subprocess=True)``,
+so ``--runner dask`` refuses it.
+
+**Side inputs computed again.** The stock runner passes a side input to its consumer as the
+Dask bag itself, and the consumer's task computes that bag when it first reads it. So
+everything upstream of a side input runs again inside a consumer's task, outside the
+cluster's scheduling: the ingest's shard count and label map (side inputs over every
+record) would decode the corpus again, and every ``CombineGlobally`` and ``ToList`` (they
+inject their default through a side input) would repeat the pipeline before it. Worse, the
+values can come out wrong: a ``CombineGlobally(sum)`` read as a side input by a step that
+shares its input saw every element twice. :class:`DaskRunner` makes each side input an
+ordinary dependency of the consuming tasks, computed once on the cluster and passed to them
+as a list.
+
+**Only the last step runs.** The runner computes the Dask graph of the last transform
+applied and nothing else; a branch that does not feed it is silently skipped. Not worked
+around: the ingest's last step collects every output it has.
+
+**The client is never closed.** The stock runner opens a ``distributed.Client`` per run
+and keeps it, so a finished job waits on the scheduler and logs reconnection errors when
+the cluster goes. :class:`DaskRunner`'s result closes it when the run ends.
+
+**Metrics.** The stock runner's ``metrics()`` raises ``NotImplementedError``. The ingest
+takes its counts from the pipeline's outputs on every runner, so it only loses the
+``beam.*`` counters in MLflow on Dask.
+
+The clusters: :func:`local_cluster` starts a ``LocalCluster`` of worker processes bound to
+127.0.0.1 (scheduler, workers, nannies; no dashboard), for ``--runner dask`` without an
+address. :func:`connect` checks an existing scheduler before the pipeline starts, so an
+unreachable ``--dask-address`` is one line, not a traceback after the graph is built.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from typing import Iterator
+
+from apache_beam import pvalue
+from apache_beam.runners.dask import dask_runner as _beam_dask
+from apache_beam.runners.dask import transform_evaluator as _te
+from apache_beam.runners.runner import PipelineState
+from apache_beam.transforms.sideinputs import SideInputMap
+
+log = logging.getLogger(__name__)
+
+#: What ``--runner`` Beam is given for ``--runner dask``.
+RUNNER = f"{__name__}.DaskRunner"
+#: Seconds to wait for a scheduler named by ``--dask-address`` before giving up.
+CONNECT_TIMEOUT_S = 10
+
+
+class DaskUnavailable(RuntimeError):
+    """No scheduler at the address, or the package is missing: a usage error for the job."""
+
+
+def require_distributed():
+    """``distributed``, or DaskUnavailable naming the extra to install."""
+    try:
+        import distributed
+    except ImportError:
+        raise DaskUnavailable(
+            "--runner dask needs dask.distributed; install the extra: pip install -c constraints.txt '.[dask]'"
+        ) from None
+    # The client and a local cluster log each connection and worker at INFO; a job's terminal wants warnings.
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+    return distributed
+
+
+# -- side inputs as graph dependencies -----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _SideSpec:
+    view_class: type
+    view_options: dict
+    window_fn: object
+
+
+def _apply_dofn_with_side_inputs(items, invoker_args, invoker_kwargs, receivers, specs, *side_values):
+    """Beam's ``apply_dofn_to_bundle`` with the side inputs' computed values rebuilt into SideInputMaps."""
+    maps = [
+        SideInputMap(spec.view_class, spec.view_options,
+                     [_te.get_windowed_value(v, spec.window_fn) for v in values])
+        for spec, values in zip(specs, side_values)
+    ]
+    return _te.apply_dofn_to_bundle(items, invoker_args, dict(invoker_kwargs, side_inputs=maps), receivers)
+
+
+def _concat(partitions) -> list:
+    return [x for part in partitions for x in part]
+
+
+def _window_fn(op: _te.ParDo):
+    main_input = next(iter(op.applied.main_inputs.values()))
+    return main_input.windowing.windowfn if hasattr(main_input, "windowing") else None
+
+
+class _Capture:
+    """Stands in for the input bag to read the ``map_partitions`` arguments Beam's ParDo.apply builds."""
+
+    args: tuple = ()
+
+    def map(self, *args, **kwargs):
+        return self
+
+    def map_partitions(self, func, *args, **kwargs):
+        self.args = args
+        return self
+
+
+def _invoker_arguments(op: _te.ParDo) -> tuple:
+    """(invoker args, invoker kwargs, receivers) exactly as Beam 2.77's ParDo.apply builds them."""
+    capture = _Capture()
+    _te.ParDo.apply(op, capture, None)
+    return capture.args
+
+
+_TRANSLATIONS = dict(_te.TRANSLATIONS)
+
+
+class _ParDo(_te.ParDo):
+    """Beam's Dask ParDo, but side inputs are computed once, as dependencies of this step's tasks."""
+
+    def apply(self, input_bag, side_inputs=None):
+        if not side_inputs:
+            return super().apply(input_bag, side_inputs)
+        import dask
+
+        invoker_args, invoker_kwargs, receivers = _invoker_arguments(self)
+        specs, values = [], []
+        for sim in side_inputs:
+            it = sim._iterable  # Beam's DaskBagWindowedIterator: the producer's bag and window fn
+            specs.append(_SideSpec(sim._view_class, sim._view_options, it.window_fn))
+            # Partition by partition under the bag's own keys: a bag handed to dask.delayed whole is
+            # optimised on its own first, into fused copies of every step before it, which run again.
+            values.append(dask.delayed(_concat)(it.bag.to_delayed(optimize_graph=False)))
+        return input_bag.map(_te.get_windowed_value, _window_fn(self)).map_partitions(
+            _apply_dofn_with_side_inputs, invoker_args, invoker_kwargs, receivers, specs, *values,
+        )
+
+
+_TRANSLATIONS[_te.apache_beam.ParDo] = _ParDo
+
+
+def _bag_visitor(bag_kwargs: dict):
+    """Beam 2.77's ``DaskRunner.to_dask_bag_visitor`` with this module's ParDo translation."""
+    import collections
+
+    from apache_beam.pipeline import PipelineVisitor
+
+    class Visitor(PipelineVisitor):
+        def __init__(self):
+            self.bags = collections.OrderedDict()
+
+        def visit_transform(self, node) -> None:
+            op = _TRANSLATIONS.get(node.transform.__class__, _te.NoOp)(node, bag_kwargs=bag_kwargs)
+            kws = {"input_bag": None, "side_inputs": None}
+            inputs = list(node.inputs)
+            if inputs:
+                bags = []
+                for value in inputs:
+                    if isinstance(value, pvalue.PBegin):
+                        bags.append(None)
+                    if value.producer in self.bags:
+                        bags.append(self.bags[value.producer])
+                kws["input_bag"] = bags[0] if len(bags) == 1 and not isinstance(op, _te.Flatten) else bags
+            if node.side_inputs:
+                kws["side_inputs"] = [
+                    SideInputMap(type(si), si._view_options(),
+                                 _te.DaskBagWindowedIterator(self.bags.get(si.pvalue.producer), si._window_mapping_fn))
+                    for si in node.side_inputs
+                ]
+            self.bags[node] = op.apply(**kws)
+
+    return Visitor()
+
+
+# -- the runner ----------------------------------------------------------------------------------
+
+class _Result(_beam_dask.DaskRunnerResult):
+    def wait_until_finish(self, duration=None):
+        try:
+            return super().wait_until_finish(duration)
+        finally:
+            if duration is None or self.state in (PipelineState.DONE, PipelineState.FAILED):
+                self.client.close()
+
+
+class DaskRunner(_beam_dask.DaskRunner):
+    """Beam 2.77's DaskRunner with side inputs computed once on the cluster and the client closed after."""
+
+    def run_pipeline(self, pipeline, options):
+        import dask
+
+        distributed = require_distributed()
+        from apache_beam.runners.dask.overrides import dask_overrides
+
+        dask_options = options.view_as(_beam_dask.DaskOptions).get_all_options(drop_default=True, current_only=True)
+        bag_kwargs = _beam_dask.DaskOptions._extract_bag_kwargs(dask_options)
+        client = distributed.Client(**dask_options)
+        pipeline.replace_all(dask_overrides())
+        visitor = _bag_visitor(bag_kwargs)
+        pipeline.visit(visitor)
+        # As in Beam: the last bag is the pipeline's sink, and its graph reaches every step before it.
+        graph = dask.optimize(list(visitor.bags.values())[-1])
+        return _Result(client, client.compute(graph))
+
+
+# -- clusters ------------------------------------------------------------------------------------
+
+def connect(address: str, timeout: float = CONNECT_TIMEOUT_S) -> int:
+    """Check that a scheduler answers at ``address``; returns its number of workers (it may be 0)."""
+    distributed = require_distributed()
+    try:
+        with distributed.Client(address, timeout=timeout, set_as_default=False) as client:
+            return len(client.scheduler_info(n_workers=-1)["workers"])
+    except (OSError, TimeoutError, ValueError) as exc:
+        raise DaskUnavailable(
+            f"--dask-address {address}: no Dask scheduler answered in {timeout:g} s ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}); start one (dask-scheduler) or fix the address"
+        ) from None
+
+
+@contextlib.contextmanager
+def local_cluster(workers: int) -> Iterator[str]:
+    """A LocalCluster of ``workers`` single-threaded processes on 127.0.0.1; yields the scheduler's address."""
+    distributed = require_distributed()
+
+    # Single-threaded worker processes: the decode path holds the GIL for much of its time, and one
+    # process per core is what the DirectRunner's --workers means too. Everything on loopback:
+    # Dask's scheduler and workers take any client that reaches them, with no authentication.
+    # No dashboard; the scheduler's HTTP server (health, metrics) still starts, on a free loopback port.
+    cluster = distributed.LocalCluster(
+        n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1", protocol="tcp",
+        dashboard_address=None, scheduler_kwargs={"dashboard_address": "127.0.0.1:0"},
+        silence_logs=logging.WARNING,
+    )
+    try:
+        yield cluster.scheduler_address
+    finally:
+        cluster.close()

@@ -1,0 +1,379 @@
+"""The ingest on a real Dask cluster: a ``dask scheduler`` and two ``dask worker`` processes on loopback.
+
+The cluster is started once for the module with the CLIs the ``dask[distributed]`` package
+installs, each worker a separate process with no nanny, so that a test can kill one by its pid.
+The workers import this checkout's code through ``PYTHONPATH``, as a real deployment imports
+the installed project. The worker-kill test runs last: after it one worker is left.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("distributed")
+
+import apache_beam as beam  # noqa: E402
+from apache_beam.options.pipeline_options import PipelineOptions  # noqa: E402
+
+from pipelines.schema import ShardSet  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+DASK = str(Path(sys.executable).parent / "dask")
+JOB = str(REPO / "jobs" / "prepare.py")
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               OMP_NUM_THREADS="1")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
+def _wait_for_workers(address: str, n: int, timeout: float = 120) -> None:
+    from distributed import Client
+
+    with Client(address, timeout=timeout, set_as_default=False) as client:
+        client.wait_for_workers(n, timeout=timeout)
+
+
+class Cluster:
+    def __init__(self, tmp: Path, free_port):
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.logs = tmp
+        # --host alone leaves each process's HTTP server (health, metrics) on every interface.
+        http = ["--no-dashboard", "--dashboard-address", "127.0.0.1:0"]
+        self.scheduler = self._start("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", str(self.port), *http])
+        self.workers = [
+            self._start(f"worker{i}", ["worker", self.address, "--host", "127.0.0.1", "--nthreads", "1",
+                                       "--no-nanny", *http, "--name", f"w{i}", "--local-directory", str(tmp / f"w{i}")])
+            for i in range(2)
+        ]
+        _wait_for_workers(self.address, 2)
+
+    def _start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.logs / f"{name}.log", "wb")
+        return subprocess.Popen([DASK, *args], stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO,
+                                start_new_session=True)
+
+    def alive_workers(self) -> list[subprocess.Popen]:
+        return [w for w in self.workers if w.poll() is None]
+
+    def stop(self, stop_process_group) -> None:
+        for proc in [*self.workers, self.scheduler]:
+            if proc.poll() is None:
+                stop_process_group(proc)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, free_port, stop_process_group):
+    c = Cluster(tmp_path_factory.mktemp("dask"), free_port)
+    yield c
+    c.stop(stop_process_group)
+
+
+def _dask_options(address: str, runner: str = "pipelines.dask_runner.DaskRunner") -> PipelineOptions:
+    return PipelineOptions([f"--runner={runner}", f"--dask_client_address={address}"])
+
+
+# -- what Beam 2.77's DaskRunner gets wrong (pipelines/dask_runner.py) ----------------------------
+
+class _Tagged(beam.DoFn):
+    def process(self, x):
+        if x % 2:
+            yield beam.pvalue.TaggedOutput("odd", x)
+        else:
+            yield x
+
+
+def _dump(rows, path):
+    with open(path, "w") as f:
+        json.dump(sorted(rows), f)
+
+
+def test_beams_dask_runner_sends_main_output_to_tagged_outputs(cluster, tmp_path):
+    """Why the ingest has no tagged outputs. If this fails after a Beam upgrade, the bug may be fixed."""
+    with beam.Pipeline(options=_dask_options(cluster.address)) as p:
+        out = p | beam.Create(range(6)) | beam.ParDo(_Tagged()).with_outputs("odd", main="even")
+        _ = out.odd | "ListOdd" >> beam.combiners.ToList() | "DumpOdd" >> beam.Map(_dump, str(tmp_path / "odd"))
+    odd = json.loads((tmp_path / "odd").read_text())
+    assert odd == [0, 1, 2, 3, 4, 5]  # the even (main) elements came out of the "odd" output too
+
+
+def _touch(x, log):
+    with open(log, "a") as f:
+        f.write(f"{x}\n")
+    return x
+
+
+def _side_input_pipeline(p, log, out):
+    xs = p | beam.Create(list(range(20))) | "Touch" >> beam.Map(_touch, log)
+    total = xs | beam.CombineGlobally(sum)
+    (xs | "Add" >> beam.Map(lambda x, n: x + n, beam.pvalue.AsSingleton(total))
+        | beam.combiners.ToList() | beam.Map(_dump, out))
+
+
+def test_beams_dask_runner_computes_a_side_input_again_and_ours_once(cluster, tmp_path):
+    """Why pipelines.dask_runner.DaskRunner exists. If the first half fails after a Beam upgrade, it may be fixed."""
+    log, out = tmp_path / "touched", tmp_path / "out"
+    p = beam.Pipeline(options=_dask_options(cluster.address, "apache_beam.runners.dask.dask_runner.DaskRunner"))
+    _side_input_pipeline(p, str(log), str(out))
+    result = p.run()
+    try:
+        result.wait_until_finish()
+    finally:
+        result.client.close()  # the stock runner leaves its client open
+    assert len(log.read_text().splitlines()) > 20  # the producer of the side input ran again
+    assert json.loads(out.read_text()) != [x + 190 for x in range(20)]  # and the sum it saw was not 190
+
+    log.unlink()
+    with beam.Pipeline(options=_dask_options(cluster.address)) as p:
+        _side_input_pipeline(p, str(log), str(out))
+    assert len(log.read_text().splitlines()) == 20
+    assert json.loads(out.read_text()) == [x + 190 for x in range(20)]
+
+
+# -- the ingest on Dask against the DirectRunner -----------------------------------------------
+
+def _enc(img, fmt, **kw):
+    import io
+
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+BAD = {
+    "bad/empty.jpg": "empty_file",
+    "bad/truncated.jpg": "truncated",
+    "bad/notes.txt": "not_an_image",
+    "bad/tiny.png": "too_small",
+    "bad/wide.png": "unexpected_error",  # JPEG cannot store 66000 px: an encoder exception, dead-lettered
+    "broken.tar": "corrupt_archive",
+}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, photos, noisy_copies):
+    """A dozen distinct photos in two classes, every kind of bad input, a corpus and a test-set duplicate."""
+    import io
+    import tarfile
+
+    from PIL import Image
+
+    root = tmp_path_factory.mktemp("dask_corpus")
+    noisy_copies(root / "src", photos, 12, classes=2, class_prefix="class", spread=20, seed=3, size=(80, 64))
+    src = root / "src"
+    _write(src / "class0" / "chelsea.png", _enc(photos["chelsea"], "PNG"))
+    _write(src / "class1" / "chelsea_again.bmp", _enc(photos["chelsea"], "BMP"))  # a corpus duplicate
+    _write(src / "class1" / "astronaut_copy.png", _enc(photos["astronaut"], "PNG"))  # in the test set
+    _write(root / "test" / "t" / "astronaut.png", _enc(photos["astronaut"], "PNG"))
+    jpg = _enc(photos["coffee"], "JPEG")
+    _write(src / "bad" / "empty.jpg", b"")
+    _write(src / "bad" / "truncated.jpg", jpg[: len(jpg) // 2])
+    _write(src / "bad" / "notes.txt", b"not an image\n")
+    _write(src / "bad" / "tiny.png", _enc(photos["coffee"].resize((12, 10)), "PNG"))
+    _write(src / "bad" / "wide.png", _enc(Image.new("RGB", (66000, 17), (10, 200, 30)), "PNG"))
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        info = tarfile.TarInfo("x.jpg")
+        info.size = len(jpg)
+        tf.addfile(info, io.BytesIO(jpg))
+    _write(src / "broken.tar", buf.getvalue()[:700])
+    return root
+
+
+def _ingest(corpus: Path, out: Path, **kw) -> dict:
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    return run_prepare(PrepareConfig(input=[str(corpus / "src")], output=str(out), size=32, min_short_side=16,
+                                     shard_mb=0.004, test_set=[f"held_out={corpus / 'test'}"], **kw))
+
+
+def _rows(path: Path) -> list[dict]:
+    return sorted((json.loads(line) for line in path.read_text().splitlines()), key=lambda r: json.dumps(r, sort_keys=True))
+
+
+@pytest.fixture(scope="module")
+def direct_run(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("direct") / "out"
+    return out, _ingest(corpus, out, workers=1)
+
+
+@pytest.fixture(scope="module")
+def dask_run(cluster, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dask_out") / "out"
+    return out, _ingest(corpus, out, runner="dask", dask_address=cluster.address)
+
+
+def test_dask_gives_the_same_shards_and_rows_as_the_direct_runner(dask_run, direct_run):
+    ref_out, ref = direct_run
+    out, manifest = dask_run
+    assert len(ref["shards"]) > 1
+    assert manifest["shards"] == ref["shards"]  # names, rows, sizes and sha256: byte-identical shards
+    for shard in ref["shards"]:
+        assert (out / shard["path"]).read_bytes() == (ref_out / shard["path"]).read_bytes()
+    assert manifest["counts"] == ref["counts"] and manifest["label_map"] == ref["label_map"]
+    c = manifest["counts"]
+    assert c["inputs"] == c["written"] + c["rejected_total"] + c["duplicates_total"]
+    assert c["duplicates"]["corpus"] == 1 and c["duplicates"]["held_out"] >= 1  # noisy copies match too
+    for name in ("quarantine.jsonl", "duplicates.jsonl"):
+        assert _rows(out / name) == _rows(ref_out / name)
+    ShardSet(out).verify()
+    assert not [p for p in os.listdir(out) if ".tmp-" in p or p.startswith(".staging-")]
+
+
+def test_bad_inputs_are_quarantined_on_dask_with_the_direct_runners_reasons(dask_run, direct_run):
+    _, ref = direct_run
+    out, manifest = dask_run
+    reasons = {r["uri"].split("/src/", 1)[1]: r["reason"] for r in _rows(out / "quarantine.jsonl")}
+    assert reasons == BAD
+    assert manifest["counts"]["rejected"] == ref["counts"]["rejected"]
+    (dead,) = [r for r in _rows(out / "quarantine.jsonl") if r["reason"] == "unexpected_error"]
+    assert "OSError" in dead["detail"]
+
+
+# -- jobs/prepare.py: usage errors are one line, exit 2 ------------------------------------------
+
+def _job(*args, timeout=300):
+    return subprocess.run([sys.executable, JOB, *args], capture_output=True, text=True, cwd=REPO, env=_env(),
+                          timeout=timeout)
+
+
+def _one_error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    (line,) = [ln for ln in stderr.splitlines() if "error" in ln.lower() and "prepare" in ln.lower()]
+    return line
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--runner", "Bogus"], "'Bogus' is not a runner prepare knows; use one of DirectRunner, direct, dask"),
+    (["--runner", "apache_beam.runners.dask.dask_runner.DaskRunner"], "is not a runner prepare knows"),
+    (["--runner", "dask", "--dask-address", "127.0.0.1:8786"], "expected a scheduler address like tcp://"),
+    (["--dask-address", "tcp://127.0.0.1:8786"], "dask_address: needs --runner dask"),
+    (["--runner", "dask", "--isolate-decoder"], "isolate_decoder: is not supported with --runner dask"),
+])
+def test_bad_runner_settings_exit_2_with_one_line(tmp_path, args, says):
+    r = _job("--input", str(tmp_path), "--output", str(tmp_path / "o"), *args)
+    assert r.returncode == 2 and says in _one_error_line(r.stderr), r.stderr[-2000:]
+
+
+def test_a_dask_address_with_no_scheduler_exits_2_with_one_line(tmp_path, free_port, photos):
+    _write(tmp_path / "src" / "k" / "a.png", _enc(photos["astronaut"], "PNG"))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    r = _job("--input", str(tmp_path / "src"), "--output", str(tmp_path / "o"), "--runner", "dask",
+             "--dask-address", address, "--beam-options=--dask_connection_timeout=2")
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 2 and f"--dask-address {address}: no Dask scheduler answered in 2 s" in line
+    assert "start one" in line
+    assert not (tmp_path / "o").exists()  # refused before anything was written
+    r = _job("--input", str(tmp_path / "src"), "--output", str(tmp_path / "o"), "--runner", "dask", "--dask-address")
+    assert r.returncode == 2 and "dask-address" in r.stderr and "Traceback" not in r.stderr
+
+
+# -- a cluster the job starts itself -------------------------------------------------------------
+
+def test_the_local_cluster_listens_on_loopback_only_and_is_stopped(corpus, direct_run, tmp_path, tcp_listeners,
+                                                                   loopback_addresses):
+    if tcp_listeners is None:
+        pytest.skip("reads listening sockets from /proc (Linux)")
+    before = tcp_listeners()  # the module's cluster, if it runs: not the job's
+    seen: set[tuple[str, int]] = set()
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.update(tcp_listeners() - before)
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        manifest = _ingest(corpus, tmp_path / "out", runner="dask", workers=2)
+    finally:
+        done.set()
+        watcher.join()
+    assert manifest["shards"] == direct_run[1]["shards"]
+    # Scheduler, its HTTP server, and two workers with their nannies, all on loopback.
+    assert len({port for _, port in seen}) >= 6, sorted(seen)
+    assert {addr for addr, _ in seen} <= loopback_addresses, sorted(seen)
+    # Stopped at the end: nothing listens on those ports any more.
+    assert not tcp_listeners() & seen
+
+
+def test_a_run_that_cannot_complete_fails_loudly_and_shows_no_partial_shard(cluster, corpus, tmp_path):
+    """A shard writer that cannot rename its file (a folder sits under the shard's name) fails the run."""
+    import pyarrow.ipc as ipc
+
+    out = tmp_path / "out"
+    (out / "shard-00000.arrow").mkdir(parents=True)
+    r = _job("--input", str(corpus / "src"), "--output", str(out), "--size", "32", "--min-short-side", "16",
+             "--shard-mb", "0.004", "--runner", "dask", "--dask-address", cluster.address)
+    assert r.returncode == 1 and "shard-00000.arrow" in r.stderr and "IsADirectoryError" in r.stderr
+    assert not (out / "manifest.json").exists()
+    for path in out.glob("shard-*.arrow"):
+        if path.is_file():  # the others were written whole, or not at all
+            with open(path, "rb") as f:
+                assert ipc.open_file(f).read_all().num_rows > 0
+
+
+# -- faults: last in the module, since it leaves the cluster one worker ----------------------------
+
+def test_a_worker_killed_mid_run_loses_nothing(cluster, corpus, direct_run, tmp_path):
+    """SIGKILL the worker holding the most results once the images start to spill: Dask runs its tasks again."""
+    from distributed import Client
+
+    _, ref = direct_run
+    out = tmp_path / "out"
+    cmd = [sys.executable, JOB, "--input", str(corpus / "src"), "--output", str(out), "--size", "32",
+           "--min-short-side", "16", "--shard-mb", "0.004", "--test-set", f"held_out={corpus / 'test'}",
+           "--runner", "dask", "--dask-address", cluster.address]
+    with Client(cluster.address, set_as_default=False) as client:
+        names = {addr: w["name"] for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        killed, held = None, 0
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any(out.glob(".staging-*/blobs/*.bin")):
+                has_what = client.has_what()
+                addr = max(has_what, key=lambda a: len(has_what[a]))
+                held = len(has_what[addr])
+                killed = cluster.workers[int(str(names[addr])[1:])]
+                os.kill(killed.pid, signal.SIGKILL)
+                break
+            time.sleep(0.005)
+        stdout, stderr = proc.communicate(timeout=300)
+    assert killed is not None, "the job ended before any image was spilled; the kill did not happen mid-run"
+    assert killed.wait(timeout=30) == -signal.SIGKILL and held > 0
+    assert len(cluster.alive_workers()) == 1
+    assert proc.returncode == 0, stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["shards"] == ref["shards"] and manifest["counts"] == ref["counts"]
+    assert manifest["attempts"] == 1
+    ShardSet(out).verify()
+    assert not [p for p in os.listdir(out) if ".tmp-" in p or p.startswith(".staging-")]
+
+
+@pytest.mark.parametrize("name", ["kubernetes.yaml", "jobqueue.yaml"])
+def test_dask_options_files_are_valid_configs(name):
+    from common.config import from_dict, load_file
+    from pipelines.config import PrepareConfig
+
+    data = load_file(REPO / "infra" / "dask" / name)
+    cfg = from_dict(PrepareConfig, {**data, "input": ["s3://b/in"], "output": "s3://b/out"})
+    assert cfg.runner == "dask" and all(o.startswith("--") for o in cfg.beam_options)
