@@ -191,3 +191,32 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(small_demo, tmp_
     assert not [r for r in runs if r.info.status == "RUNNING"]
     assert [t["lr"] for t in summary["trials"]] == lrs
     assert summary["selected_val_accuracy"] == max(t["val_accuracy"] for t in summary["trials"])
+
+
+def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path):
+    from ray import tune
+
+    from training.finetune import tune_sweep
+    from training.ray_utils import init_ray
+
+    def flaky(config):  # local: Tune ships it by value to its workers
+        from ray import tune
+
+        count = Path(config["dir"]) / f"attempts-{config['x']}"
+        n = int(count.read_text()) if count.exists() else 0
+        count.write_text(str(n + 1))
+        if n < config["fail_first"]:
+            raise RuntimeError(f"attempt {n + 1} fails on purpose")
+        tune.report({"score": float(config["x"])})
+
+    init_ray(None)
+    space = {"x": tune.grid_search([1, 2]), "dir": str(tmp_path), "fail_first": 1}
+    grid = tune_sweep(flaky, space, name="retry", output=tmp_path / "out", resources={"cpu": 1},
+                      metric="score", max_failures=1)
+    assert sorted(r.metrics["score"] for r in grid) == [1.0, 2.0] and not grid.errors
+    assert [(tmp_path / f"attempts-{x}").read_text() for x in (1, 2)] == ["2", "2"]
+
+    space["fail_first"] = 5  # more failures than retries: the trial ends in error, not silently
+    grid = tune_sweep(flaky, {**space, "x": 3}, name="gives-up", output=tmp_path / "out", resources={"cpu": 1},
+                      metric="score", max_failures=1)
+    assert len(grid.errors) == 1 and (tmp_path / "attempts-3").read_text() == "2"
