@@ -15,21 +15,47 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from common.config import ConfigError
+from common.jobenv import RUNTIME_ENV_HINT, inside_copy
 from common.text import utf8_text
 
 DEFAULT_EXPERIMENT = "vitscale"
 
 
 def home() -> Path:
-    return Path(os.environ.get("VITSCALE_HOME", "mlruns")).resolve()
+    value = os.environ.get("VITSCALE_HOME", "mlruns")
+    if inside_copy(value):
+        raise ConfigError(
+            f"VITSCALE_HOME: the MLflow store {value if 'VITSCALE_HOME' in os.environ else './mlruns (the default)'} "
+            f"would land in Ray's uploaded copy of the working dir, "
+            f"which is deleted with the Ray session; {RUNTIME_ENV_HINT}"
+        )
+    return Path(value).expanduser().resolve()
 
 
 def default_tracking_uri() -> str:
     return f"sqlite:///{home() / 'mlflow.db'}"
 
 
+def _local_store_path(uri: str) -> str | None:
+    """The file or folder a local tracking URI writes to (``sqlite:///x`` is relative, ``sqlite:////x`` absolute)."""
+    for prefix in ("sqlite:///", "file://", "file:"):
+        if uri.startswith(prefix):
+            return uri[len(prefix):] or "."
+    return None if "://" in uri else uri
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return default_tracking_uri()
+    local = _local_store_path(uri)
+    if local is not None and inside_copy(local):
+        raise ConfigError(
+            f"MLFLOW_TRACKING_URI: {uri!r} would write into Ray's uploaded copy of the working dir, which is "
+            f"deleted with the Ray session; {RUNTIME_ENV_HINT}"
+        )
+    return uri
 
 
 def ui_command(uri: str | None = None) -> str:

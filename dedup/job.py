@@ -16,6 +16,7 @@ from dedup.index import IndexOutdated, TestSetIndex
 from dedup.report import write_report
 from dedup.rescan import rescan
 from common.config import check
+from common.jobenv import durable_path
 from pipelines.config import parse_test_sets
 from pipelines.testsets import build_test_set_index, iter_images
 
@@ -87,6 +88,10 @@ def run(cfg: DedupConfig) -> dict:
     """Refresh the index, rescan the shards, write the report; returns a summary dict (also logged to MLflow)."""
     from common import tracking
 
+    # The shards get removed.jsonl, and the index and report are kept: none may vanish with Ray's upload.
+    cfg = dataclasses.replace(cfg, **{name: durable_path(getattr(cfg, name), name)
+                                      for name in ("shards", "index_dir", "report_dir") if getattr(cfg, name)})
+    tracking.tracking_uri()
     shard_dir = Path(cfg.shards)
     if not (shard_dir / "manifest.json").is_file():
         raise FileNotFoundError(f"{shard_dir}: no manifest.json; --shards must be a completed ingest output directory")

@@ -161,6 +161,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
     from pipelines.schema import ShardSet
     from common import tracking
+    from common.jobenv import durable_path
     from training.data import split_rows
     from training.ray_utils import init_ray
 
@@ -194,7 +195,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         )
     if len(test_set) == 0:
         raise ConfigError(f"test: {cfg.test} has no rows; check its quarantine.jsonl or ingest more images")
-    output = Path(cfg.output).expanduser().resolve()
+    output = Path(durable_path(cfg.output, "output"))
+    tracking.tracking_uri()  # refuses a store in Ray's uploaded copy before any trial runs
     output.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray_address)
 
