@@ -219,3 +219,21 @@ def get_run(run_id: str):
 
 def scratch_dir(prefix: str = "vitscale-") -> str:
     return tempfile.mkdtemp(prefix=prefix)
+
+
+def register_model(name: str, source: str, run_id: str, *, tags: Mapping[str, str] | None = None,
+                   uri: str | None = None) -> dict[str, str]:
+    """Register ``source`` (a run's artifact folder) as a new version of model ``name`` in the
+    MLflow model registry, with ``tags`` on the version; returns its name and version."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(uri or tracking_uri())
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
+            raise
+    version = client.create_model_version(name, source, run_id=run_id,
+                                          tags={utf8_text(k): utf8_text(str(v)) for k, v in (tags or {}).items()})
+    return {"name": name, "version": str(version.version)}
