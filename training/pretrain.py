@@ -323,6 +323,11 @@ def train_loop_per_worker(config: dict) -> None:
             opt.load_state_dict(state["optimizer"])
             step, epoch, offset = int(state["step"]), int(state["epoch"]) + 1, 0
 
+    def own_generator():
+        # A DataLoader iterator draws its base seed from the global RNG unless given its own;
+        # that would make the dropout stream depend on where a run was resumed.
+        return torch.Generator().manual_seed(cfg.seed)
+
     if cfg.loader == "ray_data":
         stream = ray.train.get_dataset_shard("train")
 
@@ -344,7 +349,8 @@ def train_loop_per_worker(config: dict) -> None:
             rows = epoch_rows(len(train_ds), world, rank, cfg.seed, epoch)[offset * per_worker: steps_per_epoch * per_worker]
             train_ds.set_epoch(epoch)
             yield from DataLoader(train_ds, batch_size=micro, sampler=rows.tolist(), drop_last=True,
-                                  num_workers=cfg.dataloader_workers, pin_memory=device.type == "cuda")
+                                  num_workers=cfg.dataloader_workers, pin_memory=device.type == "cuda",
+                                  generator=own_generator())
 
         def batch_rows(epoch: int, offset: int):
             rows = epoch_rows(len(train_ds), world, rank, cfg.seed, epoch)[offset * per_worker:(offset + 1) * per_worker]
@@ -466,7 +472,8 @@ def train_loop_per_worker(config: dict) -> None:
             due = (step % cfg.checkpoint_every == 0) if cfg.checkpoint_every else epoch_end
             held = {}
             if held_sampler is not None and not mpp and (epoch_end or step == end_step):
-                scores = evaluate(trainable, DataLoader(held_ds, batch_size=micro, sampler=held_sampler), device, cfg.bf16)
+                scores = evaluate(trainable, DataLoader(held_ds, batch_size=micro, sampler=held_sampler,
+                                                        generator=own_generator()), device, cfg.bf16)
                 held = {"holdout_loss": scores["loss"], "holdout_accuracy": scores["accuracy"]}
                 trainable.train()
                 if rank == 0 and run_id and not (due or step == end_step):
