@@ -57,7 +57,7 @@ class PretrainConfig:
         default="softmax", metadata={"help": "softmax for one label per image, sigmoid for multi-label corpora"}
     )
     epochs: int | None = field(default=None, metadata={"help": f"passes over the shards ({DEFAULT_EPOCHS} unless --steps is given)"})
-    steps: int | None = field(default=None, metadata={"help": "training length in optimiser steps, instead of --epochs; the schedule follows it"})
+    steps: int | None = field(default=None, metadata={"help": "training length in optimiser steps; when given, --epochs is ignored and the schedule follows the steps"})
     batch_size: int = field(default=4096, metadata={"help": "global optimiser batch (paper: 4096), split evenly across workers"})
     microbatch: int | None = field(default=None, metadata={"help": "per-worker forward batch; each step accumulates batch_size/(num_workers*microbatch) of them (default: no accumulation)"})
     lr: float = field(default=1e-3, metadata={"help": "peak Adam learning rate"})
@@ -101,8 +101,6 @@ class PretrainConfig:
         for name in ("epochs", "steps", "microbatch", "checkpoint_every", "fewshot_every", "stop_after"):
             value = getattr(self, name)
             check(value is None or value > 0, name, f"must be a positive integer, got {value}")
-        check(self.epochs is None or self.steps is None, "steps",
-              f"give --steps or --epochs, not both (got steps={self.steps}, epochs={self.epochs})")
         check(self.batch_size % self.num_workers == 0, "batch_size",
               f"the global batch {self.batch_size} does not split evenly over {self.num_workers} workers; "
               f"use a multiple of {self.num_workers}")
@@ -406,9 +404,10 @@ def train_loop_per_worker(config: dict) -> None:
                 plain.load_state_dict(backbone)
                 vitcore.save_checkpoint(plain, Path(d) / MODEL_FILE)
                 checkpoint = ray.train.Checkpoint.from_directory(d)
-            ray.train.report({**metrics, "data_epoch": epoch, "data_offset": offset, "rows_seen": seen[0],
+            ray.train.report({**metrics, "start_step": start_step, "data_epoch": epoch, "data_offset": offset, "rows_seen": seen[0],
                               "rows_sum": seen[1], "rows_sumsq": seen[2]}, checkpoint=checkpoint)
 
+    start_step = step
     trainable.train()
     sync()
     t_log, t_report = time.perf_counter(), time.perf_counter()
@@ -651,6 +650,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     uri = tracking.tracking_uri()
     train_rows = int((~holdout_mask(shard_keys(shards), cfg.holdout)).sum())
     steps_per_epoch, total_steps = plan_steps(cfg, train_rows, cfg.num_workers)
+    cfg = dataclasses.replace(cfg, output=str(output))
     storage_path, storage_fs = _storage(cfg, output)
     output.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray_address)
@@ -703,7 +703,10 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                    "planned_steps": total_steps, "restarts": restarts, "checkpoint": result.checkpoint.path,
                    "data_position": {"epoch": int(metrics.get("data_epoch", 0)),
                                      "offset": int(metrics.get("data_offset", 0)),
-                                     "rows_seen_in_epoch": int(metrics.get("rows_seen", 0))}}
+                                     "rows_seen_in_epoch": int(metrics.get("rows_seen", 0)),
+                                     "rows_sum": int(metrics.get("rows_sum", 0)),
+                                     "rows_sumsq": int(metrics.get("rows_sumsq", 0))},
+                   "resumed_from_step": int(metrics.get("start_step", 0))}
         tracking.log_metrics({"restarts": restarts, "steps": steps})
         (output / "pretrain_summary.json").write_text(json.dumps(summary, indent=2))
         tracking.log_dict(summary, "pretrain_summary.json")
