@@ -77,10 +77,11 @@ def grad_sync(model: torch.nn.Module, enabled: bool):
 
 
 def accumulate_step(model: torch.nn.Module, opt: torch.optim.Optimizer, microbatches, loss_fn, *,
-                    count: int, grad_clip: float) -> tuple[float, float]:
+                    count: int, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimiser step over ``count`` equal micro-batches, the same update as one step on
     their union: each mean loss is scaled by 1/count, and gradients are all-reduced only on the
-    last backward. Returns (mean loss, global gradient norm before clipping)."""
+    last backward. Returns (mean loss, global gradient norm before clipping) as 0-d tensors
+    on the device, so that a GPU step does not wait for the host."""
     opt.zero_grad(set_to_none=True)
     total = None
     for i, batch in enumerate(microbatches):
@@ -93,7 +94,7 @@ def accumulate_step(model: torch.nn.Module, opt: torch.optim.Optimizer, microbat
     if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
         norm = norm.full_tensor()
     opt.step()
-    return float(total), float(norm)
+    return total, norm.detach()
 
 
 def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -374,10 +374,10 @@ def train_loop_per_worker(config: dict) -> None:
                 # Appendix B.1.2: loss only on the corrupted patches; "accuracy" is per patch.
                 logits, targets, corrupted = trainable(x)
                 logits, targets = logits[corrupted].float(), targets[corrupted]
-                correct_box[0] += float((logits.argmax(1) == targets).float().mean()) * x.shape[0]
+                correct_box[0] = correct_box[0] + (logits.argmax(1) == targets).float().mean().detach() * x.shape[0]
                 return F.cross_entropy(logits, targets)
             loss_sum, correct = classification_loss(trainable(x), y)
-        correct_box[0] += float(correct)
+        correct_box[0] = correct_box[0] + correct.detach()
         return loss_sum / x.shape[0]
 
     def sync():
@@ -448,7 +448,7 @@ def train_loop_per_worker(config: dict) -> None:
                 elapsed = time.perf_counter() - t_log
                 images_all, wait_all = all_reduce_sum([log_images, wait[0]], device)
                 if rank == 0 and run_id:
-                    metrics = {"train_loss": log_loss / log_steps, "lr": lr, "grad_norm": grad_norm,
+                    metrics = {"train_loss": float(log_loss) / log_steps, "lr": lr, "grad_norm": float(grad_norm),
                                "images_per_second_per_worker": log_images / elapsed,
                                "images_per_second": images_all / elapsed,
                                "input_wait_fraction": wait_all / (world * elapsed)}
@@ -479,7 +479,7 @@ def train_loop_per_worker(config: dict) -> None:
                     tracking.log_metrics_to(run_id, held, step=step, uri=uri)
             if due or step == end_step:
                 elapsed = time.perf_counter() - t_report
-                seen_all, loss_all, correct_all = all_reduce_sum([rep_images, rep_loss, correct_box[0]], device)
+                seen_all, loss_all, correct_all = all_reduce_sum([rep_images, float(rep_loss), float(correct_box[0])], device)
                 metrics = {"epoch": epoch, "step": step, "train_loss": loss_all / max(1, seen_all),
                            "train_accuracy": correct_all / max(1, seen_all),
                            "images_per_second": seen_all / max(elapsed, 1e-9), **held}
