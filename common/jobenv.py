@@ -23,9 +23,24 @@ RUNTIME_ENV_HINT = (
 )
 
 
+def _cwd() -> str:
+    # Ray can delete and re-create the unpacked working dir while the job runs (when Ray Train
+    # workers set up the same runtime env); the process's cwd then no longer exists.
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        return os.environ.get("PWD") or _LAUNCH_CWD or "/"
+
+
+try:
+    _LAUNCH_CWD: str | None = os.getcwd()
+except FileNotFoundError:
+    _LAUNCH_CWD = None
+
+
 def submitted_copy(cwd: str | os.PathLike | None = None) -> Path | None:
     """The uploaded copy of the working dir this process runs in, or None outside ``ray job submit``."""
-    here = Path(cwd or os.getcwd()).resolve()
+    here = Path(cwd or _cwd()).resolve()
     parts = here.parts
     for i in range(len(parts) - 1):
         if parts[i] == RAY_WORKING_DIR_FILES and "runtime_resources" in parts[:i]:
@@ -42,7 +57,7 @@ def inside_copy(path: str | os.PathLike, cwd: str | os.PathLike | None = None) -
     copy = submitted_copy(cwd)
     if copy is None:
         return False
-    resolved = Path(os.path.abspath(os.path.join(cwd or os.getcwd(), os.fspath(path))))
+    resolved = Path(os.path.normpath(os.path.join(cwd or _cwd(), os.path.expanduser(os.fspath(path)))))
     return resolved == copy or copy in resolved.parents
 
 
