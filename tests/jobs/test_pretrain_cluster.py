@@ -145,6 +145,16 @@ def train_workers(roots: list[int]) -> list[int]:
     return found
 
 
+def test_local_cluster_refuses_to_start_outside_the_project_env(tmp_path):
+    env = dict(os.environ, VIRTUAL_ENV=str(tmp_path / "some-other-venv"))
+    out = subprocess.run([str(REPO / "infra" / "ray" / "local-cluster.sh"), "start", "--temp-dir", str(tmp_path / "t")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert "lacks the project's dependencies" in line and "activate the project's venv" in line
+    assert not (tmp_path / "t" / "local-cluster.pid").exists()
+
+
 @pytest.fixture(scope="module")
 def corpus(small_demo):
     return small_demo["work"] / "shards" / "corpus"
