@@ -41,6 +41,9 @@ def cluster(free_port, stop_process_group):
     subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
                    timeout=60)
     temp = Path(tempfile.mkdtemp(prefix="rc", dir="/tmp"))  # Ray's socket paths must stay short
+    # Each node its own temp dir, as on separate machines: sharing one, the second node's runtime-env
+    # agent re-unpacks (and deletes) the job's working-dir copy under the driver's feet.
+    node_temp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))
     port, dash = free_port(), free_port()
     slot = json.dumps({"node_slot": 1})
     head = subprocess.Popen(
@@ -65,7 +68,8 @@ def cluster(free_port, stop_process_group):
                 time.sleep(1)
         node = subprocess.Popen(
             [str(BIN / "ray"), "start", "--block", f"--address=127.0.0.1:{port}", "--node-ip-address=127.0.0.1",
-             "--num-cpus=2", f"--resources={slot}", "--disable-usage-stats", *_ports(free_port)],
+             "--num-cpus=2", f"--resources={slot}", f"--temp-dir={node_temp}", "--disable-usage-stats",
+             *_ports(free_port)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
         procs.append(node)
         while "/2.0 node_slot" not in subprocess.run(
@@ -79,6 +83,7 @@ def cluster(free_port, stop_process_group):
         for p in reversed(procs):
             stop_process_group(p)
         shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(node_temp, ignore_errors=True)
 
 
 def submit(cluster, job_args, *, runtime_env=None, wait=True, submission_id=None):
