@@ -240,6 +240,7 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device()
     if rank == 0 and config.get("starts") is not None:
         ray.get(config["starts"].start.remote())
+    nodes = len(set(_gather(ray.get_runtime_context().get_node_id())))
 
     full = ShardImageDataset(cfg.data, train_transform(cfg.img_size), label_mode="multi" if cfg.loss == "sigmoid" else "single", seed=cfg.seed)
     held_out = holdout_mask(shard_keys(full.shards), cfg.holdout)
@@ -404,7 +405,7 @@ def train_loop_per_worker(config: dict) -> None:
                 plain.load_state_dict(backbone)
                 vitcore.save_checkpoint(plain, Path(d) / MODEL_FILE)
                 checkpoint = ray.train.Checkpoint.from_directory(d)
-            ray.train.report({**metrics, "start_step": start_step, "data_epoch": epoch, "data_offset": offset, "rows_seen": seen[0],
+            ray.train.report({**metrics, "start_step": start_step, "nodes": nodes, "data_epoch": epoch, "data_offset": offset, "rows_seen": seen[0],
                               "rows_sum": seen[1], "rows_sumsq": seen[2]}, checkpoint=checkpoint)
 
     start_step = step
@@ -706,7 +707,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                                      "rows_seen_in_epoch": int(metrics.get("rows_seen", 0)),
                                      "rows_sum": int(metrics.get("rows_sum", 0)),
                                      "rows_sumsq": int(metrics.get("rows_sumsq", 0))},
-                   "resumed_from_step": int(metrics.get("start_step", 0))}
+                   "resumed_from_step": int(metrics.get("start_step", 0)), "nodes": int(metrics.get("nodes", 1))}
         tracking.log_metrics({"restarts": restarts, "steps": steps})
         (output / "pretrain_summary.json").write_text(json.dumps(summary, indent=2))
         tracking.log_dict(summary, "pretrain_summary.json")

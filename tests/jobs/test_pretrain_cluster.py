@@ -202,10 +202,8 @@ def test_two_workers_one_per_node(cluster, corpus, tmp_path):
                            "--num-workers", "2", "--resources-per-worker", '{"node_slot": 1}', "--checkpoint-every", "3"],
                  runtime_env={"env_vars": {"VITSCALE_HOME": str(tmp_path / "home")}}, submission_id=sid)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    logs = job_logs(cluster, sid)
-    ranks = set(re.findall(r"world_rank=\d+, local_rank=\d+, node_rank=(\d+)", logs))
-    assert ranks == {"0", "1"}, logs[-3000:]  # one worker on each node
     summary = json.loads((out_dir / "pretrain_summary.json").read_text())
+    assert summary["nodes"] == 2, job_logs(cluster, sid)[-3000:]  # one worker on each node
     assert summary["steps"] == 6 and summary["restarts"] == 0
 
 
