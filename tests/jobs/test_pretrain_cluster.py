@@ -112,8 +112,9 @@ def job_logs(cluster, submission_id):
 def job_status(cluster, submission_id):
     out = subprocess.run([str(BIN / "ray"), "job", "status", "--address", cluster["address"], submission_id],
                          env=cluster["env"], capture_output=True, text=True, timeout=120).stdout
-    m = re.search(r"Status for job '[^']+': (\w+)", out)
-    return m.group(1) if m else out
+    # "Status for job 'X': RUNNING" while it runs, "Job 'X' succeeded" (failed, stopped) once it ended.
+    m = re.search(r"Status for job '[^']+': (\w+)", out) or re.search(r"Job '[^']+' (succeeded|failed|stopped)", out)
+    return m.group(1).upper() if m else out
 
 
 def wait_for(cluster, submission_id, timeout=600):
@@ -221,7 +222,8 @@ def test_killed_worker_restarts_and_resubmission_continues(cluster, corpus, tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = out_dir / "ray" / "kill"
     deadline = time.time() + 400
-    while not (run_dir.is_dir() and any(p.name.startswith("checkpoint_") for p in run_dir.iterdir())):
+    # Two checkpoint folders: the first is then registered with Ray Train, not just being written.
+    while not (run_dir.is_dir() and sum(p.name.startswith("checkpoint_") for p in run_dir.iterdir()) >= 2):
         assert time.time() < deadline and job_status(cluster, sid) in ("PENDING", "RUNNING"), job_logs(cluster, sid)[-3000:]
         time.sleep(0.2)
     (victim,) = train_workers(cluster["pids"])
@@ -230,6 +232,8 @@ def test_killed_worker_restarts_and_resubmission_continues(cluster, corpus, tmp_
 
     summary = json.loads((out_dir / "pretrain_summary.json").read_text())
     assert summary["steps"] == 400 and summary["restarts"] == 1
+    # The restarted worker group began at a checkpoint, not at step 0.
+    assert summary["resumed_from_step"] > 0 and summary["resumed_from_step"] % 20 == 0
     run = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}").get_run(summary["mlflow_run_id"])
     assert run.data.metrics["restarts"] == 1 and run.data.metrics["steps"] == 400
     # The rows trained on in the final epoch are exactly the epoch's first `offset` batches:
