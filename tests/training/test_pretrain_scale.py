@@ -83,7 +83,7 @@ def test_step_resume_gives_the_uninterrupted_parameters(shards, tmp_path, mlflow
     plain = vitcore.load_checkpoint(ckpt / "model.safetensors")
     plain.load_state_dict(state["model"])
     # keep_checkpoints=1: only the last one is left.
-    assert len([p for p in ckpt.parent.iterdir() if p.name.startswith("checkpoint_")]) == 1
+    assert len([p for p in ckpt.parent.iterdir() if p.is_dir() and p.name.startswith("checkpoint_")]) == 1
 
     client = mlflow.MlflowClient(tracking.tracking_uri())
     run = client.get_run(whole["mlflow_run_id"])
