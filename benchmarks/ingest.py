@@ -7,9 +7,8 @@ Both baselines run in the same process on the same in-memory JPEG bytes:
 * decode-only at reduced scale: ``open -> draft(target) -> load -> RGB``, the
   practical ceiling of any Pillow-based path (issue 3 asks for 0.8 of it). The
   project decodes colour JPEGs with libjpeg-turbo through ``simplejpeg`` into
-  Pillow's memory, faster at 2 MP than Pillow's own draft decode (by 0.4 ms on
-  an older EPYC, 0.03 to 0.1 ms on a Zen 5), so its ratio to this ceiling can
-  exceed what resizing and encoding would otherwise allow.
+  Pillow's memory, faster than Pillow's own draft decode (benchmarks/README.md),
+  so its ratio to this ceiling can exceed what resizing and encoding would otherwise allow.
 
 The project path is :func:`pipelines.decode.decode_image` with the DCT-draft
 target, then :func:`pipelines.process.resize_encode`; the full per-item cost
@@ -74,13 +73,9 @@ PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "retina.jp
 
 def _sources(names: tuple[str, ...] = PHOTOS) -> list[Image.Image]:
     """The named scikit-image photographs, then scikit-learn's two sample photographs."""
-    import skimage
-    from sklearn.datasets import load_sample_images
+    from common.photos import SKLEARN, photos
 
-    d = os.path.join(os.path.dirname(skimage.__file__), "data")
-    imgs = [Image.open(os.path.join(d, n)).convert("RGB") for n in names]
-    imgs += [Image.fromarray(a) for a in load_sample_images().images]
-    return imgs
+    return list(photos(names + SKLEARN).values())
 
 
 def _frame(megapixels: float, aspect: float) -> tuple[int, int]:

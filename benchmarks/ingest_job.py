@@ -45,6 +45,7 @@ from PIL import Image  # noqa: E402
 import machine  # noqa: E402
 from ingest import _sources  # noqa: E402
 from pipelines.process import target_size  # noqa: E402
+from pipelines.schema import MANIFEST  # noqa: E402
 
 
 def write_photos(folder: Path, n: int, megapixels: float) -> list[Path]:
@@ -111,7 +112,7 @@ def main() -> None:
         # The largest resident set of any finished child process so far (the runner or a Beam
         # worker): the full run's, since the earlier runs were smaller and the pool has not run.
         peak_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        manifest = json.loads((tmp / "out" / "manifest.json").read_text())
+        manifest = json.loads((tmp / "out" / MANIFEST).read_text())
         assert manifest["counts"]["written"] == args.n, manifest["counts"]
 
         t = time.perf_counter()

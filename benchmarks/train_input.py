@@ -38,15 +38,16 @@ from PIL import Image  # noqa: E402
 
 def make_folder(root: Path, n: int, size: int) -> Path:
     """``n`` real-photo crops in class folders (the demo's generator), saved at ``size`` px."""
-    from demo.data import PHOTO_SOURCES, photo, random_crop
+    from common.photos import photo
+    from demo.data import PHOTO_NAMES, random_crop
 
     rng = np.random.default_rng(0)
     folder = root / "images"
-    per = max(1, n // len(PHOTO_SOURCES))
-    for source, name in PHOTO_SOURCES:
+    per = max(1, n // len(PHOTO_NAMES))
+    for name in PHOTO_NAMES:
         cls = folder / Path(name).stem
         cls.mkdir(parents=True)
-        base = photo(source, name)
+        base = photo(name)
         for i in range(per):
             random_crop(base, size, rng).save(cls / f"{i:05d}.jpg", "JPEG", quality=90)
     return folder

@@ -10,12 +10,19 @@ from common.config import InputError, parse_args
 T = TypeVar("T")
 
 
-def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None = None, *, prog: str) -> int:
-    """Parse ``argv`` into ``cls``, call ``runner``, print its JSON summary.
+def print_json(result: Any) -> None:
+    print(json.dumps(result, indent=2, default=str))
+
+
+def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None = None, *, prog: str,
+            report: Callable[[Any], None] = print_json,
+            failures: tuple[type[BaseException], ...] = ()) -> int:
+    """Parse ``argv`` into ``cls``, call ``runner``, hand its result to ``report`` (default: JSON on stdout).
 
     Usage and config errors (including missing or malformed input paths, which the
     libraries raise as subclasses of ``InputError``) exit 2 with one line that
-    names the field or file; anything else is a real failure and keeps its traceback.
+    names the field or file. ``failures`` are a job's own failed checks (counts that do
+    not reconcile, say): one line, exit 1. Anything else is a bug and keeps its traceback.
     """
     cfg = parse_args(cls, argv, prog=prog)
     try:
@@ -23,6 +30,9 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     except InputError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except failures as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
     if result is not None:
-        print(json.dumps(result, indent=2, default=str))
+        report(result)
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import types
 import typing
 from pathlib import Path
@@ -173,8 +174,39 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line: the problem, then where the usage is."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (run {self.prog} --help for every option)\n")
+
+
+def _join_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> list[str]:
+    """``--lrs -0.1,0.01`` as ``--lrs=-0.1,0.01``: a value may start with '-' and still reach its field's check.
+
+    argparse reads any '-'-prefixed token other than a plain negative number as a flag, so
+    the user would hear "expected one argument" instead of what is wrong with the value.
+    """
+    out: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        action = parser._option_string_actions.get(tok)
+        nxt = args[i + 1] if i + 1 < len(args) else None
+        if (action is not None and action.nargs is None and action.option_strings[0].startswith("--")
+                and nxt is not None and nxt.startswith("-") and not nxt.startswith("--")
+                and nxt not in parser._option_string_actions):
+            out.append(f"{tok}={nxt}")
+            i += 2
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
 def build_parser(cls: type, *, prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=prog,
         description=description or (cls.__doc__ or "").strip().splitlines()[0],
     )
@@ -200,9 +232,9 @@ def build_parser(cls: type, *, prog: str | None = None, description: str | None 
 
 
 def parse_args(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None) -> T:
-    """Parse ``argv`` into ``cls``: config file first, then flags. Exits 2 with a clear message on error."""
+    """Parse ``argv`` into ``cls``: config file first, then flags. Exits 2 with a one-line message on error."""
     parser = build_parser(cls, prog=prog)
-    ns = vars(parser.parse_args(argv))
+    ns = vars(parser.parse_args(_join_dash_values(parser, sys.argv[1:] if argv is None else argv)))
     config_path = ns.pop("config", None)
     try:
         data = load_file(config_path) if config_path else {}

@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from pathlib import Path
 from typing import Any, Iterator
+
+from common.config import ConfigError
 
 # Partial files are written as <final name>.tmp-<uuid>, then renamed.
 TMP_MARKER = ".tmp-"
@@ -25,6 +28,24 @@ def url_to_fs(url: str | os.PathLike, fs=None):
 
     fs, path = fsspec.core.url_to_fs(os.fsdecode(url) if isinstance(url, bytes) else str(url))
     return fs, path.rstrip("/")
+
+
+def make_output_dir(path: str | os.PathLike, field_name: str = "output") -> Path:
+    """``path`` (user-expanded, absolute) as a directory, created if missing.
+
+    An existing file there, or a parent that is a file or not writable, is a ``ConfigError``
+    naming the field, so an entrypoint ends in one line instead of an ``OSError`` traceback.
+    """
+    out = Path(path).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{field_name}: {out} is an existing file; give a directory (it is created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"{field_name}: {out} cannot be created, a parent is a file; give another directory") from None
+    except PermissionError:
+        raise ConfigError(f"{field_name}: {out} cannot be created (permission denied); give a writable directory") from None
+    return out
 
 
 def is_local(fs) -> bool:

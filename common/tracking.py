@@ -20,6 +20,9 @@ from common.jobenv import RUNTIME_ENV_HINT, inside_copy
 from common.text import utf8_text
 
 DEFAULT_EXPERIMENT = "vitscale"
+# MLflow 3.17's UI opens an experiment without this tag on its GenAI overview (traces,
+# latency), not on the runs; every vitscale experiment is model training.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def home() -> Path:
@@ -63,6 +66,17 @@ def ui_command(uri: str | None = None) -> str:
     return f".venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
 
 
+def ui_url(experiment_id: str, base: str = "http://127.0.0.1:5000") -> str:
+    """The UI's page for an experiment, on its runs table.
+
+    MLflow 3.17's UI takes the experiment's kind from its GenAI / Model training switch (the
+    ``workflowType`` query parameter, else the browser's last choice, GenAI at first), not
+    from the ``mlflow.experimentKind`` tag: a bare experiment link opens on the empty GenAI
+    overview for a new user.
+    """
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
 def _use(uri: str) -> None:
     """``mlflow.set_tracking_uri(uri)`` without its side effect on ``os.environ``.
 
@@ -96,12 +110,16 @@ def _setup(experiment: str):
             art.mkdir(parents=True, exist_ok=True)
             artifact_location = art.as_uri()
         try:
-            exp_id = client.create_experiment(experiment, artifact_location=artifact_location)
+            return mlflow, client.create_experiment(
+                experiment, artifact_location=artifact_location, tags=dict([EXPERIMENT_KIND]))
         except Exception:  # another process created it first
-            exp_id = client.get_experiment_by_name(experiment).experiment_id
-    else:
-        exp_id = exp.experiment_id
-    return mlflow, exp_id
+            exp = client.get_experiment_by_name(experiment)
+    key, kind = EXPERIMENT_KIND
+    if key not in exp.tags:
+        # An experiment created before the tag existed, or by another tool; a kind someone
+        # chose on purpose is left alone.
+        client.set_experiment_tag(exp.experiment_id, key, kind)
+    return mlflow, exp.experiment_id
 
 
 def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
@@ -125,8 +143,12 @@ def start_run(
     parent_run_id: str | None = None,
     run_name: str | None = None,
     tags: Mapping[str, str] | None = None,
+    run_id: str | None = None,
 ) -> Iterator[Any]:
     """Open an MLflow run for one stage, log its config as params, and yield the active run.
+
+    ``run_id`` reopens an existing run instead (a resumed sweep keeps its run and children);
+    its params, name and parent were set when it was created.
 
     ``parent_run_id`` defaults to ``$VITSCALE_PARENT_RUN_ID`` so that a driver such as
     the demo can nest stages it does not construct itself. The run ends FAILED if the
@@ -135,6 +157,10 @@ def start_run(
     os.environ.pop("MLFLOW_RUN_ID", None)
     parent_run_id = parent_run_id or os.environ.get("VITSCALE_PARENT_RUN_ID") or None
     mlflow, exp_id = _setup(experiment)
+    if run_id is not None:
+        with mlflow.start_run(run_id=run_id) as run:
+            yield run
+        return
     all_tags = {"vitscale.stage": stage, **{utf8_text(k): utf8_text(str(v)) for k, v in (tags or {}).items()}}
     with mlflow.start_run(
         experiment_id=exp_id,

@@ -9,10 +9,11 @@ re-check of shard sets, ``removed.jsonl``), :mod:`dedup.report`.
 What counts as a near-duplicate
 -------------------------------
 A corpus image duplicates a test image when their decoded pixels are identical
-(content hash), or when, for some crop variant ``v`` of the test image
+(content hash), or when, for one of its codes ``q`` (``signatures.corpus_codes``:
+the whole image, and its 10%-per-side inner crop for test images cut from it)
+and some crop variant ``v`` of the test image
 (``signatures.CROP_VARIANTS``: 29 crops of 0..10% per side, also taken
-before border trimming where that differs) and the corpus
-image's signature ``q``:
+before border trimming where that differs):
 
 (a) one of the 6 leading 21-bit blocks of ``q`` and ``v`` differs in at most 1
     bit (the *block condition*), and
@@ -22,12 +23,9 @@ image's signature ``q``:
 The search (``TestSetIndex.search``/``match``) is exact for this rule: it finds
 every pair the rule accepts and no other, and ``TestSetIndex.brute_force``
 evaluates the same rule over all pairs to check it. Condition (a) is part of
-the definition because it makes the search sub-linear; on held-out photos it
-costs 0.2 points of mean recall (0.999 -> 0.997), 1 point on random crops.
+the definition because it makes the search sub-linear, at a small cost in recall.
+The threshold is calibrated on held-out photos (:mod:`dedup.calibration`); its
+figures and the command that reproduces them are in benchmarks/README.md.
 
-Calibrated on held-out photos (``python -m dedup.calibration --holdout``):
-mean recall 0.997 over 21 transforms, 0 false matches over 15,006 distinct
-pairs; every crop transform >= 0.98 (random per-side crops 0.984), weakest
-are brightness 1.2 and grayscale + half size + JPEG q30 (0.976). Figures per
-transform: :mod:`dedup.calibration`.
+Low-texture images (flat colour, soft gradients) match by content hash only.
 """

@@ -6,55 +6,15 @@ and every other image is a negative. Per transform and per threshold the tool
 reports precision, recall and false-match rate (FMR), overall FMR over all
 distinct ordered pairs, and plots them to a PNG.
 
-The pool (:func:`photo_pool`): 281 real photos, the 18 scikit-image and
-scikit-learn photographs plus their non-overlapping 128 px tiles with luminance
-std >= 12. ``--holdout`` splits it by *source photograph* (:func:`split_pool`;
-a photo and its tiles never straddle the split): 158 design images from 10
-photos, 123 held-out images from the 8 in ``HOLDOUT_PHOTOS``. The random
-transforms are sampled 4 times per image (``--repeats``).
+The pool (:func:`photo_pool`) is the bundled photographs (:mod:`common.photos`) plus their
+non-overlapping tiles, which are hard negatives; ``--holdout`` splits it by source photograph
+so the threshold is chosen on one part and measured on the other. ``DEFAULT_THRESHOLD`` in
+:mod:`dedup.index` is this tool's choice. The recorded results, per transform, and the command
+that reproduces them: benchmarks/README.md, "Near-duplicate threshold and match rule".
 
-Recorded calibration, signature version 2, 29 crop variants (plus, for images
-with flat regions, the same crops taken before border trimming: 33 codes per
-image on average over this pool), 6 blocks of 21 bits (``python -m
-dedup.calibration --out /tmp/calib --holdout --repeats 4``). The design part
-chose the threshold: ``choose_threshold`` (largest threshold with FMR at most
-2e-5, 5x under the 1e-4 target) gives 28; at 30 and 32 one design pair matches
-(4.0e-5). ``DEFAULT_THRESHOLD = 28``. The held-out part, never used to choose
-the threshold, measured at 28 (recall under the match rule of dedup.index;
-"plain" drops its block condition)::
-
-    transform            queries  recall   plain    FMR
-    resize_0.25              123   0.992   1.000    0
-    resize_0.5 / 2 / 4       123   1.000   1.000    0
-    jpeg_q30 / jpeg_q50      123   1.000   1.000    0
-    format_webp / gif        123   1.000   1.000    0
-    crop_10_left             123   1.000   1.000    6.7e-05
-    crop_10_top_left         123   1.000   1.000    6.7e-05
-    crop_10_all              123   1.000   1.000    1.3e-04
-    crop_random (0..10%/side) 492  0.984   0.994    6.7e-05
-    border_10_black / white  123   1.000   1.000    0
-    border_5_color           492   1.000   1.000    0
-    brightness_0.8           123   1.000   1.000    0
-    brightness_1.2           123   0.976   0.992    0
-    contrast_0.8 / 1.2       123   1.000   1.000    0
-    grayscale                123   1.000   1.000    0
-    gray_jpeg_q30_half       123   0.976   0.984    0
-    all (mean)              3321   0.997   0.999    0 of 15,006 distinct pairs
-
-(per-transform FMR counts a transformed query matching another image.) At 32
-the held-out mean recall is 0.997 with 1 false pair (6.7e-5). Over the whole
-pool at 28: recall 0.997, FMR 1.3e-5 (1 of 78,680 distinct pairs, a hard
-negative across the split). Targets: FMR <= 1e-4 is met with margin; recall
->= 0.98 is met on average and by the crop transforms, not by every transform:
-brightness 1.2 and grayscale + half size + JPEG q30 stay at 0.976 (one of 123
-short), and the block condition costs random crops 1 point (0.994 plain).
-Signature version 1 (25 variants, crops of the trimmed image only) measured
-held-out recall 0.991, with 10% crops on all sides at 0.959 and random crops
-at 0.970: a crop that puts a flat part of the image on an edge is trimmed on
-the query side only (see ``signatures.variant_codes``). The variant choice was
-checked on the held-out split (three-side 10% crops added a held-out false
-pair and were dropped), so its held-out figures are slightly optimistic.
-The held-out set is small: one false pair moves its FMR by 6.7e-5.
+Reverse transforms (``transforms.REVERSE_TRANSFORMS``: the transformed image is the test
+image, cut from the original) index the transformed images and search the originals' corpus
+codes. ``low_texture.json`` records what the low-texture rule is for.
 """
 from __future__ import annotations
 
@@ -70,7 +30,7 @@ from PIL import Image
 
 from dedup import signatures as sig
 from dedup.index import DEFAULT_THRESHOLD
-from dedup.transforms import RANDOM_TRANSFORMS, TRANSFORMS, apply
+from dedup.transforms import RANDOM_TRANSFORMS, REVERSE_TRANSFORMS, TRANSFORMS, apply
 
 TARGET_RECALL = 0.98
 TARGET_FMR = 1e-4
@@ -83,15 +43,9 @@ def photo_pool(*, tile: int = 128, min_std: float = 12.0) -> list[tuple[str, Ima
     statistics, which makes them hard negatives. Flat tiles (sky, black
     background) are dropped: they are duplicates of each other in any sense.
     """
-    import skimage
-    from sklearn.datasets import load_sample_images
+    from common.photos import ALL, photos as load_photos
 
-    data = Path(os.path.dirname(skimage.__file__)) / "data"
-    names = ["astronaut.png", "chelsea.png", "coffee.png", "camera.png", "hubble_deep_field.jpg", "retina.jpg",
-             "rocket.jpg", "motorcycle_left.png", "brick.png", "grass.png", "gravel.png", "coins.png", "moon.png",
-             "cell.png", "ihc.png", "clock_motion.png"]
-    photos = [(n, Image.open(data / n).convert("RGB")) for n in names]
-    photos += [(n, Image.fromarray(a)) for n, a in zip(("china.jpg", "flower.jpg"), load_sample_images().images)]
+    photos = list(load_photos(ALL).items())
     pool = list(photos)
     for name, photo in photos:
         arr = np.asarray(photo)
@@ -198,14 +152,13 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: expected at least 1")
     index = TestSetIndex(threshold=max(thresholds))
-    originals = []
+    corpus = []  # each image's corpus-side codes: the whole image and its inner crops
     for i, img in enumerate(images):
         img = img.convert("RGB")
         index.add("calibration", str(i), img)
-        originals.append(np.frombuffer(sig.compute(img), dtype=np.uint8))
-    variants = [sig.to_words(c) for c in index._codes]
+        corpus.append(_codes(img))
     pairs = n * (n - 1)
-    qi, rec, d = index.search(np.stack(originals))
+    qi, rec, d, _ = _search(index, corpus)
     off = qi != rec
     false_pairs = [int(np.count_nonzero(off & (d <= t))) for t in thresholds]
     overall_fmr = [f / pairs for f in false_pairs]
@@ -214,15 +167,25 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     for name in names:
         reps = repeats if name in RANDOM_TRANSFORMS else 1
         owner = np.tile(np.arange(n), reps)
-        queries = np.stack([np.frombuffer(sig.compute(apply(name, images[i], seed=seed + r * 100_003 + i)),
-                                          dtype=np.uint8) for r in range(reps) for i in range(n)])
-        m = len(queries)
-        qi, rec, d = index.search(queries)
-        true = owner[qi] == rec
+        made = [apply(name, images[i], seed=seed + r * 100_003 + i) for r in range(reps) for i in range(n)]
+        m = len(made)
+        if name in REVERSE_TRANSFORMS:
+            # the transformed images are the test images, cut from the originals: index them
+            # and search every original's corpus codes (n queries, m test images)
+            rev = TestSetIndex(threshold=max(thresholds))
+            for k, img in enumerate(made):
+                rev.add("calibration", str(k), img)
+            item, r_, d, _ = _search(rev, corpus)
+            true = owner[r_] == item
+            variants = [sig.to_words(c) for c in rev._codes]
+            plain = np.array([_plain(variants[k], corpus[owner[k]]) for k in range(m)])
+        else:
+            queries = [_codes(img) for img in made]
+            item, r_, d, _ = _search(index, queries)
+            true = owner[item] == r_
+            plain = np.array([_plain(index_variants(index, owner[k]), queries[k]) for k in range(m)])
         tp = np.array([np.count_nonzero(true & (d <= t)) for t in thresholds], dtype=float)
         fp = np.array([np.count_nonzero(~true & (d <= t)) for t in thresholds], dtype=float)
-        qw = sig.to_words(queries)
-        plain = np.array([np.bitwise_count(variants[o] ^ qw[k]).sum(axis=1).min() for k, o in enumerate(owner)])
         positives[name] = m
         recall[name] = (tp / m).tolist()
         plain_recall[name] = [float(np.mean(plain <= t)) for t in thresholds]
@@ -232,6 +195,106 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     overall_plain = np.mean([plain_recall[t] for t in names], axis=0).tolist()
     return Calibration(thresholds, n, names, positives, recall, plain_recall, precision, fmr, overall_recall,
                        overall_plain, overall_fmr, false_pairs)
+
+
+def _codes(img: Image.Image) -> np.ndarray:
+    """(CORPUS_CODES, SIGNATURE_BYTES) corpus-side codes, as the ingest stores them; (0, ...) for low texture."""
+    return np.frombuffer(sig.corpus_codes(img), dtype=np.uint8).reshape(-1, sig.SIGNATURE_BYTES)
+
+
+def _search(index, codes: Sequence[np.ndarray]):
+    """``index.search_corpus`` over the items that carry codes (low-texture ones match by hash only)."""
+    coded = np.array([i for i, c in enumerate(codes) if len(c)], dtype=np.int64)
+    if not len(coded):
+        e = np.zeros(0, dtype=np.int64)
+        return e, e.copy(), e.copy(), e.copy()
+    item, rec, d, code = index.search_corpus(np.stack([codes[i] for i in coded]))
+    return coded[item], rec, d, code
+
+
+def index_variants(index, record: int) -> np.ndarray:
+    return sig.to_words(index._codes[record])
+
+
+def _plain(variants: np.ndarray, codes: np.ndarray) -> int:
+    """Smallest Hamming distance between any corpus code and any crop variant (no block condition)."""
+    if not len(variants) or not len(codes):  # low texture: no codes, exact matches only
+        return 1 << 30
+    q = sig.to_words(codes)
+    return int(np.bitwise_count(variants[None, :, :] ^ q[:, None, :]).sum(axis=2).min())
+
+
+def low_texture_pool(n: int = 48, seed: int = 0, size: tuple[int, int] = (320, 240)) -> list[tuple[str, Image.Image]]:
+    """Procedural low-texture images: flat colours with sensor-like noise, linear and radial soft gradients."""
+    rng = np.random.default_rng(seed)
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w] / np.array([h, w])[:, None, None]
+    out = []
+    for i in range(n):
+        c0, c1 = rng.integers(0, 256, 3), rng.integers(0, 256, 3)
+        kind = ("flat", "linear", "linear", "radial")[i % 4]
+        if kind == "flat":
+            a = np.ones((h, w, 3)) * c0 + rng.normal(0, 1.0, (h, w, 3))
+        elif kind == "linear":
+            th = rng.uniform(0, 2 * np.pi)
+            t = np.cos(th) * xx + np.sin(th) * yy
+            a = c0 + (c1 - c0) * ((t - t.min()) / (np.ptp(t) + 1e-9))[..., None]
+        else:
+            cx, cy = rng.uniform(0.2, 0.8, 2)
+            r = np.sqrt((xx - cx) ** 2 + (yy - cy) ** 2)
+            a = c0 + (c1 - c0) * (r / r.max())[..., None]
+        out.append((f"{kind}{i}", Image.fromarray(np.clip(a, 0, 255).astype(np.uint8))))
+    return out
+
+
+def low_texture_report(photos: Sequence[Image.Image], *, threshold: int = DEFAULT_THRESHOLD) -> dict:
+    """What the low-texture rule (``signatures.LOW_TEXTURE_MARGIN``) is for, measured.
+
+    Margins of real photos against procedural flat images and gradients, and, with
+    the rule switched off (codes computed regardless), how often those images
+    match each other (false pairs), photos, or their own JPEG q30 copies.
+    """
+    from dedup.index import TestSetIndex
+
+    low = [img for _, img in low_texture_pool()]
+    photo_margins = np.array([sig.texture_margin(im) for im in photos])
+    low_margins = np.array([sig.texture_margin(im) for im in low])
+
+    def codes_without_rule(img):
+        lum = sig.luminance(img)
+        l, t, r, b = sig.trim_box(lum)
+        lum = lum[t:b, l:r]
+        whole = sig._code(lum)
+        inner = [sig._code(sig._crop(lum, f)) for f in sig.INNER_CROPS]
+        return np.stack([whole] + inner)
+
+    def variants_without_rule(img):
+        lum = sig.luminance(img)
+        l, t, r, b = sig.trim_box(lum)
+        return np.stack([sig._code(sig._crop(lum[t:b, l:r], f)) for f in sig.CROP_VARIANTS])
+
+    index = TestSetIndex(threshold=threshold)
+    for i, img in enumerate(low):
+        index.add("low", str(i), content_hash=f"low{i}", codes=variants_without_rule(img))
+    low_q = np.stack([codes_without_rule(im) for im in low])
+    item, rec, _, _ = index.search_corpus(low_q)
+    false_pairs = int(np.count_nonzero(item != rec))
+    jpeg = np.stack([codes_without_rule(apply("jpeg_q30", im)) for im in low])
+    item, rec, _, _ = index.search_corpus(jpeg)
+    own = int(np.count_nonzero(item == rec))
+    photo_q = np.stack([codes_without_rule(im) for im in photos])
+    item, _, _, _ = index.search_corpus(photo_q)
+    return {
+        "low_texture_margin": sig.LOW_TEXTURE_MARGIN,
+        "photos": len(photos), "photo_margin_min": round(float(photo_margins.min()), 2),
+        "photo_margin_p1": round(float(np.percentile(photo_margins, 1)), 2),
+        "photos_below_margin": int(np.count_nonzero(photo_margins < sig.LOW_TEXTURE_MARGIN)),
+        "low_texture_images": len(low), "low_texture_margin_max": round(float(low_margins.max()), 2),
+        "low_texture_below_margin": int(np.count_nonzero(low_margins < sig.LOW_TEXTURE_MARGIN)),
+        "without_rule_false_pairs": false_pairs, "without_rule_pairs": len(low) * (len(low) - 1),
+        "without_rule_jpeg_q30_recall": round(own / len(low), 3),
+        "without_rule_photos_matching_low_texture": int(len(set(item.tolist()))),
+    }
 
 
 def plot(cal: Calibration, path: str | os.PathLike, *, default: int = DEFAULT_THRESHOLD) -> Path:
@@ -304,6 +367,8 @@ def run(out_dir: str | os.PathLike, *, source: str | None = None, holdout: bool 
     for name, images in sets.items():
         cals[name] = calibrate(images, repeats=repeats)
         pngs[name] = _write(cals[name], out / name if len(sets) > 1 else out, f"{name}: {len(images)} images")
+    low = low_texture_report([img for images in sets.values() for img in images])
+    (out / "low_texture.json").write_text(json.dumps(low, indent=1))
     if log_mlflow:
         from common import tracking
 
@@ -343,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(cal.table())
         if DEFAULT_THRESHOLD in cal.thresholds:
             print(cal.transform_table(DEFAULT_THRESHOLD))
+    print("low texture:", (Path(args.out) / "low_texture.json").read_text())
     first = cals.get("design", cals.get("all"))
     print(f"chosen threshold (FMR <= {TARGET_FMR / 5:g} on {'design' if 'design' in cals else 'all'} images): "
           f"{first.choose_threshold()}; default {DEFAULT_THRESHOLD}")

@@ -15,22 +15,22 @@ crop variant ``v`` of the test image (``signatures.CROP_VARIANTS``):
   (b) *distance condition*: the whole ``CODE_BITS``-bit codes differ in at most
       ``threshold`` bits.
 
-``Match.distance`` is the smallest (b)-distance over the variants that satisfy
-(a). The rule depends on nothing but the two images and the threshold, and
+The corpus side carries ``signatures.CORPUS_CODES`` codes
+(``signatures.corpus_codes``): ``q`` is each of them in turn. The whole-image
+code finds a corpus image that is a crop or copy of the test image
+(``FORWARD``); its 10%-per-side inner crop finds a corpus image that a test
+image was cut from (``REVERSE``, up to 10% per side). Low-texture images
+(``signatures.LOW_TEXTURE_MARGIN``) carry no codes on either side and match by
+content hash only. ``Match.distance`` is the smallest (b)-distance over the
+corpus codes and the variants that satisfy (a). The rule depends on nothing but the two images and the threshold, and
 :meth:`TestSetIndex.search` returns exactly the pairs it accepts:
 :meth:`TestSetIndex.brute_force` evaluates it over all pairs, and the tests and
 the benchmark check that both agree. Condition (a) is part of the rule because
 it is what makes the search sub-linear: every bucket within the radius of each
 block is probed (one array read each; buckets are CSR arrays indexed by the
-block value) and candidates are verified on (b). Exact search for (b) alone by
-pigeonhole would need every block within ``threshold // BLOCKS`` = 4 bits, about
-7,500 probes per block instead of 22, and even 16 blocks of 8 bits leave over
-a third of a random index as candidates at threshold 28: no sub-linear exact
-search exists for so loose a radius, so the rule carries (a). Its cost,
-measured on held-out photos at the default threshold (dedup.calibration): mean
-recall over the transforms 0.999 under (b) alone vs 0.997 under the rule; the
-loss is concentrated in random crops (0.994 -> 0.984), the transform that moves
-the code most.
+block value) and candidates are verified on (b). No sub-linear exact search
+exists for (b) alone at so loose a radius, so the rule carries (a); what that
+costs in recall is measured in benchmarks/README.md.
 
 The index is picklable (a Beam side input); the bucket tables are rebuilt
 lazily after unpickling. ``save``/``load`` write one Arrow IPC file per test
@@ -53,6 +53,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from PIL import Image
 
+from common.fs import atomic_open, atomic_write
 from dedup import signatures as sig
 
 # The match rule: some block within BLOCK_RADIUS bits AND the whole code within
@@ -79,6 +80,15 @@ class Match(NamedTuple):
     key: str
     distance: int
     exact: bool
+    direction: str = "exact"  # FORWARD, REVERSE or "exact"
+    uri: str = ""  # the test image's uri, as indexed
+
+
+# Which corpus code matched (signatures.corpus_codes): the whole corpus image
+# (it is a crop or copy of the test image) or its inner crop (the test image is
+# a crop of it).
+FORWARD = "corpus_in_test"
+REVERSE = "test_in_corpus"
 
 
 class IndexOutdated(ValueError):
@@ -88,6 +98,7 @@ class IndexOutdated(ValueError):
 def rule_id(threshold: int) -> str:
     """Identity of the match rule at ``threshold``: equal ids accept exactly the same pairs."""
     rule = {"signature_version": sig.SIGNATURE_VERSION, "crop_variants": sig.CROP_VARIANTS,
+            "inner_crops": sig.INNER_CROPS,
             "block_bits": BLOCK_BITS, "blocks": BLOCKS, "block_radius": BLOCK_RADIUS, "threshold": int(threshold)}
     return hashlib.sha256(json.dumps(rule, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -170,6 +181,7 @@ class TestSetIndex:
         self._words: np.ndarray | None = None
         self._owner: np.ndarray | None = None
         self._probe: _Probe | None = None
+        self._columns: list[np.ndarray] | None = None
 
     # -- building -----------------------------------------------------------------
 
@@ -178,7 +190,7 @@ class TestSetIndex:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_probe"] = None
+        state["_probe"] = state["_columns"] = None
         return state
 
     def add(self, test_set: str, key: str, img: Image.Image | None = None, *, source: str = "",
@@ -209,12 +221,12 @@ class TestSetIndex:
         self.key.append(key)
         self.source.append(source)
         self.content_hashes.append(content_hash)
-        self.signature.append(codes[0].tobytes())
+        self.signature.append(codes[0].tobytes() if len(codes) else bytes(sig.SIGNATURE_BYTES))
         self.version_of.append(version)
         self._codes.append(codes)
         self._by_hash.setdefault(content_hash, []).append(i)
         self._keys.add((test_set, key))
-        self._words = self._owner = self._probe = None
+        self._words = self._owner = self._probe = self._columns = None
 
     def add_quarantine(self, item: Quarantined) -> None:
         self.quarantine.append(item)
@@ -274,27 +286,37 @@ class TestSetIndex:
 
     def _search_chunk(self, probe: _Probe, q: np.ndarray, base: int):
         words, owner, t = self._words, self._owner, self.threshold
+        if self._columns is None:
+            self._columns = [np.ascontiguousarray(words[:, w]) for w in range(words.shape[1])]
+        w0, *w_cols = self._columns
+        q0, *q_cols = [np.ascontiguousarray(q[:, w]) for w in range(q.shape[1])]
+        masks = probe.masks
+        nm = len(masks)
         found_q, found_e, found_d = [], [], []
         for j in range(probe.m):
-            sub = _substring(q, j, probe.bits)
+            # every bucket within the block radius of every query in one gather:
+            # per-mask loops cost a numpy round trip each, which dominated a
+            # one-image lookup (the ingest matches record by record)
+            keys = (_substring(q, j, probe.bits)[:, None] ^ masks[None, :]).ravel()
             order, offsets = probe.order[j], probe.offsets[j]
-            for mask in probe.masks:
-                keys = sub ^ mask
-                start = offsets[keys]
-                n = offsets[keys + 1] - start
-                hit = np.nonzero(n)[0]
-                if hit.size == 0:
-                    continue
-                n_hit = n[hit]
-                total = int(n_hit.sum())
-                qi = np.repeat(hit, n_hit)
-                within = np.arange(total) - np.repeat(np.cumsum(n_hit) - n_hit, n_hit)
-                ei = order[np.repeat(start[hit], n_hit) + within]
-                d = np.bitwise_count(q[qi] ^ words[ei]).sum(axis=1, dtype=np.int64)
-                keep = d <= t
-                found_q.append(qi[keep])
-                found_e.append(ei[keep])
-                found_d.append(d[keep])
+            start = offsets[keys]
+            n = offsets[keys + 1] - start
+            hit = np.nonzero(n)[0]
+            if hit.size == 0:
+                continue
+            n_hit = n[hit]
+            total = int(n_hit.sum())
+            qi = np.repeat(hit // nm, n_hit)
+            within = np.arange(total) - np.repeat(np.cumsum(n_hit) - n_hit, n_hit)
+            ei = order[np.repeat(start[hit], n_hit) + within]
+            # word by word on 1-D arrays: a (n, 2) gather and a row sum cost twice as much
+            d = np.bitwise_count(q0[qi] ^ w0[ei]).astype(np.int64)
+            for q_w, w_w in zip(q_cols, w_cols):
+                d += np.bitwise_count(q_w[qi] ^ w_w[ei])
+            keep = d <= t
+            found_q.append(qi[keep])
+            found_e.append(ei[keep])
+            found_d.append(d[keep])
         if not found_q:
             e = np.zeros(0, dtype=np.int64)
             return e, e.copy(), e.copy()
@@ -331,17 +353,50 @@ class TestSetIndex:
                 out_d.append(best[r])
         return (np.array(out_q, dtype=np.int64), np.array(out_r, dtype=np.int64), np.array(out_d, dtype=np.int64))
 
+    def exact(self, content_hash: str) -> list[int]:
+        """Records whose content hash is ``content_hash`` (the rule's exact half), in index order."""
+        return list(self._by_hash.get(content_hash, ()))
+
+    def search_corpus(self, codes: np.ndarray, *, brute: bool = False
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """All (corpus item, record, distance, code) the match rule accepts, for both directions.
+
+        ``codes`` is (n, k, SIGNATURE_BYTES) uint8: each item's ``signatures.corpus_codes``
+        split into its k codes (k = 1 for a bare ``compute`` signature: forward only).
+        One row per (item, record) pair, at the smallest distance over the item's codes;
+        ``code`` is the code that gave it (0: the whole image, FORWARD; >= 1: an inner
+        crop, REVERSE). ``brute`` evaluates the same rule over all pairs.
+        """
+        codes = np.asarray(codes, dtype=np.uint8)
+        n, k = codes.shape[:2]
+        qi, rec, d = (self.brute_force if brute else self.search)(codes.reshape(n * k, sig.SIGNATURE_BYTES))
+        item, code = qi // k, qi % k
+        order = np.lexsort((code, d, rec, item))
+        item, rec, d, code = item[order], rec[order], d[order], code[order]
+        first = np.ones(len(item), dtype=bool)
+        first[1:] = (item[1:] != item[:-1]) | (rec[1:] != rec[:-1])
+        return item[first], rec[first], d[first], code[first]
+
     def match(self, content_hash: str, signature: bytes) -> list[Match]:
-        """Every test image that ``(content_hash, signature)`` duplicates, closest first."""
+        """Every test image that ``(content_hash, signature)`` duplicates, closest first.
+
+        ``signature`` is what the corpus side stores: ``signatures.corpus_codes`` (both
+        directions) or a bare ``signatures.compute`` code (forward only).
+        """
         out: dict[int, Match] = {}
-        for i in self._by_hash.get(content_hash, ()):
-            out[i] = Match(self.test_set[i], self.key[i], 0, True)
-        if signature and len(self):
-            _, rec, dist = self.search(sig.to_words(signature))
-            for i, d in zip(rec.tolist(), dist.tolist()):
+        for i in self.exact(content_hash):
+            out[i] = Match(self.test_set[i], self.key[i], 0, True, "exact", self.source[i])
+        if signature and len(self):  # b"": a low-texture corpus image, exact matches only
+            codes = np.frombuffer(b"".join(sig.split_codes(signature)), dtype=np.uint8)
+            _, rec, dist, code = self.search_corpus(codes.reshape(1, -1, sig.SIGNATURE_BYTES))
+            for i, d, c in zip(rec.tolist(), dist.tolist(), code.tolist()):
                 if i not in out:
-                    out[i] = Match(self.test_set[i], self.key[i], d, False)
+                    out[i] = Match(self.test_set[i], self.key[i], d, False, REVERSE if c else FORWARD, self.source[i])
         return sorted(out.values(), key=lambda m: (m.distance, not m.exact, m.test_set, m.key))
+
+    def uri(self, record: int) -> str:
+        """The test image's uri (its ``source`` as indexed) of record ``record``."""
+        return self.source[record]
 
     # -- persistence --------------------------------------------------------------
 
@@ -374,9 +429,7 @@ class TestSetIndex:
                           for name, n in sorted(self.counts().items())},
             "quarantine": quarantine,
         })
-        tmp = manifest_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(manifest, indent=2))
-        tmp.replace(manifest_path)
+        atomic_write(manifest_path, json.dumps(manifest, indent=2))
         return d
 
     @classmethod
@@ -433,7 +486,5 @@ def _write_records(path: Path, index: TestSetIndex, name: str, version: int, row
         "signature": [index.signature[i] for i in rows],
         "codes": [index._codes[i].tobytes() for i in rows],
     }, schema=schema)
-    tmp = path.with_suffix(".arrow.tmp")
-    with pa.OSFile(os.fsencode(tmp), "wb") as sink, ipc.new_file(sink, schema) as writer:
+    with atomic_open(path) as sink, ipc.new_file(sink, schema) as writer:
         writer.write_table(table)
-    tmp.replace(path)

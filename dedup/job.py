@@ -18,14 +18,15 @@ from dedup.rescan import rescan
 from common.config import check
 from common.jobenv import durable_path
 from pipelines.config import parse_test_sets
-from pipelines.testsets import build_test_set_index, iter_images
+from pipelines.schema import MANIFEST, ShardSet, decode_row_image
+from pipelines.testsets import build_test_set_index, check_sources, iter_images
 
 
 @dataclasses.dataclass
 class DedupConfig:
     """Re-check an existing shard set against downstream test sets and write removed.jsonl."""
 
-    shards: str = dataclasses.field(metadata={"help": "shard set directory (the ingest output, with manifest.json)"})
+    shards: str = dataclasses.field(metadata={"help": f"shard set directory (the ingest output, with {MANIFEST})"})
     test_set: list[str] = dataclasses.field(default_factory=list, metadata={
         "help": "test set as name=source (any source the ingest accepts, or a shard set); repeatable"})
     index_dir: str | None = dataclasses.field(default=None, metadata={
@@ -56,8 +57,6 @@ def _load_or_discard(index_dir: Path, threshold: int | None) -> TestSetIndex | N
 
 
 def _corpus_loader(shard_dir: Path, keys: set[str]):
-    from pipelines.schema import ShardSet, decode_row_image
-
     shard_set = ShardSet(shard_dir, honour_removed=False)
     rows: dict[str, dict] = {}
 
@@ -93,11 +92,11 @@ def run(cfg: DedupConfig) -> dict:
                                       for name in ("shards", "index_dir", "report_dir") if getattr(cfg, name)})
     tracking.tracking_uri()
     shard_dir = Path(cfg.shards)
-    if not (shard_dir / "manifest.json").is_file():
-        raise FileNotFoundError(f"{shard_dir}: no manifest.json; --shards must be a completed ingest output directory")
+    num_rows = ShardSet(shard_dir, honour_removed=False).manifest.get("num_rows")  # refuses a non-shard set first
     index_dir = Path(cfg.index_dir) if cfg.index_dir else shard_dir / "dedup_index"
     report_dir = Path(cfg.report_dir) if cfg.report_dir else shard_dir / "dedup_report"
     sources = parse_test_sets(cfg.test_set)
+    check_sources(sources)
     with tracking.start_run("dedup", params=dataclasses.asdict(cfg)) as run_:
         base = _load_or_discard(index_dir, cfg.threshold)
         index = build_test_set_index(sources, threshold=cfg.threshold, base=base)
@@ -108,6 +107,7 @@ def run(cfg: DedupConfig) -> dict:
             "shards_total": result.shards_total, "shards_checked": result.shards_checked,
             "pairs_checked": result.pairs_checked, "rows_scanned": result.rows_scanned,
             "new_removals": len(result.new_matches), "removals_per_test_set": result.matches_per_test_set,
+            "rule_changed": result.rule_changed,
             "test_images": index.counts(), "test_quarantined": len(index.quarantine),
             "threshold": index.threshold, "mlflow_run_id": run_.info.run_id,
         }
@@ -118,11 +118,8 @@ def run(cfg: DedupConfig) -> dict:
         if index.quarantine:
             tracking.log_dict([dataclasses.asdict(q) for q in index.quarantine], "test_set_quarantine.json")
         if not result.nothing_new:
-            import json
-
-            manifest = json.loads((shard_dir / "manifest.json").read_text())
             paths = write_report(report_dir, result.new_matches, test_images=index.counts(),
-                                 corpus_images=int(manifest.get("num_rows", result.rows_scanned)),
+                                 corpus_images=int(num_rows if num_rows is not None else result.rows_scanned),
                                  threshold=index.threshold, load_corpus=_corpus_loader(shard_dir, {m["key"] for m in result.new_matches}),
                                  load_test=_test_loader(index, sources))
             for p in paths.values():

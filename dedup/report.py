@@ -14,7 +14,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from PIL import Image, ImageDraw
 
-# One matched corpus row: key, test_set, matched_key, distance, exact (the removed.jsonl row).
+# One matched corpus row (the removed.jsonl row): key and source (the corpus file's uri), test_set,
+# matched_key and test_uri (the test file's uri), distance, exact, direction.
 MatchRow = Mapping[str, object]
 
 
@@ -43,6 +44,20 @@ def pick_for_audit(matches: Sequence[MatchRow], *, closest: int = 8, borderline:
     low = ordered[:closest]
     high = [m for m in ordered[::-1][:borderline] if m not in low][::-1]
     return low, high
+
+
+def _tail(uri: object, width: int = 40) -> str:
+    """The end of a uri (its file name first), cut to fit the caption column."""
+    text = str(uri or "(uri not recorded)")
+    return text if len(text) <= width else "..." + text[-(width - 3):]
+
+
+def caption(m: MatchRow, label: str, threshold: int) -> str:
+    """A contact-sheet caption: the distance, then each side by key and by the file it came from."""
+    return (f"{label}: d={m['distance']}/{threshold}{' exact' if m.get('exact') else ''}"
+            f"{' ' + str(m['direction']) if m.get('direction') else ''}\n"
+            f"corpus {m['key']}\n  {_tail(m.get('source'))}\n"
+            f"{m['test_set']}/{m['matched_key']}\n  {_tail(m.get('test_uri'))}")
 
 
 def contact_sheet(rows: Sequence[tuple[Image.Image | None, Image.Image | None, str]], path: str | os.PathLike,
@@ -94,9 +109,8 @@ def write_report(out_dir: str | os.PathLike, matches: Sequence[MatchRow], *, tes
     rows = []
     for label, group in (("closest", low), ("borderline", high)):
         for m in group:
-            caption = (f"{label}: d={m['distance']}/{threshold}{' exact' if m.get('exact') else ''}\n"
-                       f"corpus {m['key']}\n{m['test_set']}/{m['matched_key']}")
-            rows.append((load_corpus(str(m["key"])), load_test(str(m["test_set"]), str(m["matched_key"])), caption))
+            rows.append((load_corpus(str(m["key"])), load_test(str(m["test_set"]), str(m["matched_key"])),
+                         caption(m, label, threshold)))
     sheet = contact_sheet(rows, out / "contact_sheet.png",
                           title=f"{len(matches)} matches; left corpus, right test image; threshold {threshold}")
     return {"counts": out / "counts.md", "matches": out / "matches.jsonl", "contact_sheet": sheet}

@@ -9,8 +9,11 @@ State lives in ``dedup_state.json`` next to the shards: for every shard (by
 sha256) the fingerprint of each test set it has been checked against. A run
 checks only (shard, test set) pairs whose shard is new or whose test set is new
 or changed, so a second run with nothing new does nothing and says so. A change
-of the match rule (threshold, signature version, crop variants, blocks:
-``dedup.index.rule_id``) invalidates every pair.
+of the match rule (threshold, signature version, crop variants, inner crops,
+blocks: ``dedup.index.rule_id``) invalidates every pair, once, and the summary
+says so. Each ``removed.jsonl`` row names the files: the corpus item's
+``source`` uri beside its ``key``, the test image's ``test_uri`` beside
+``test_set``/``matched_key``, and the ``direction`` that matched.
 """
 from __future__ import annotations
 
@@ -21,14 +24,15 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
+from common.config import InputError
 from common.fs import atomic_write
 from dedup import signatures as sig
-from dedup.index import TestSetIndex
+from dedup.index import FORWARD, REVERSE, TestSetIndex
+from pipelines import schema
+from pipelines.schema import ShardSet, ShardSetError
 
 STATE = "dedup_state.json"
-REMOVED = "removed.jsonl"
 STATE_FORMAT = 1
 
 
@@ -40,6 +44,9 @@ class RescanResult:
     rows_scanned: int
     new_matches: list[dict]
     matches_per_test_set: dict[str, int]
+    # set when dedup_state.json was written under another match rule (dedup.index.rule_id):
+    # "signature version 2 -> 3" or the like; every shard is then re-checked once
+    rule_changed: str | None = None
 
     @property
     def nothing_new(self) -> bool:
@@ -50,84 +57,113 @@ class RescanResult:
             return (f"nothing new: all {self.shards_total} shards already checked against every test set "
                     "at this threshold; no changes made")
         per = ", ".join(f"{k}={v}" for k, v in sorted(self.matches_per_test_set.items())) or "none"
-        return (f"checked {self.pairs_checked} (shard, test set) pairs over {self.shards_checked}/{self.shards_total} "
+        changed = (f"match rule changed since the last check ({self.rule_changed}): re-checked every shard once; "
+                   if self.rule_changed else "")
+        return (f"{changed}checked {self.pairs_checked} (shard, test set) pairs over {self.shards_checked}/{self.shards_total} "
                 f"shards, {self.rows_scanned} rows; {len(self.new_matches)} new removals ({per})")
 
 
-def _load_state(path: Path, index: TestSetIndex) -> dict:
+def _load_state(path: Path, index: TestSetIndex) -> tuple[dict, str | None]:
     fresh = {"format": STATE_FORMAT, "signature_version": sig.SIGNATURE_VERSION,
              "threshold": index.threshold, "rule": index.rule_id(), "shards": {}}
     if not path.exists():
-        return fresh
+        return fresh, None
     try:
         state = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not valid JSON ({exc}); delete it to re-check every shard") from exc
+        raise InputError(f"{path}: not valid JSON ({exc}); delete it to re-check every shard") from exc
     if state.get("rule") != index.rule_id():  # another threshold, signature or variant set: re-check all
-        return fresh
-    return state
+        old = (state.get("signature_version"), state.get("threshold"))
+        new = (sig.SIGNATURE_VERSION, index.threshold)
+        what = [f"{label} {a} -> {b}" for label, a, b in zip(("signature version", "threshold"), old, new) if a != b]
+        return fresh, ", ".join(what) or f"rule {state.get('rule')} -> {index.rule_id()}"
+    return state, None
 
 
-def read_removed(shard_dir: str | os.PathLike) -> dict[str, dict]:
-    path = Path(shard_dir) / REMOVED
-    out: dict[str, dict] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                row = row if isinstance(row, dict) else {"key": row}
-                out[str(row["key"])] = row
-    return out
+def _corpus_codes(table: pa.Table, phash: list) -> tuple[list[int], np.ndarray]:
+    """(rows, codes): the rows that carry near-duplicate codes and their (CORPUS_CODES, SIGNATURE_BYTES) codes.
+
+    From the ``phash`` column where it holds ``signatures.corpus_codes`` (empty:
+    a low-texture image, matched by content hash only). Shards written before
+    signature version 3 hold only the whole-image code, so their codes are
+    recomputed from the stored image (resized by the ingest, which the
+    signature tolerates: the calibration's resize transforms); without that the
+    re-check under the new rule could not see the reverse direction.
+    """
+    by_row: dict[int, bytes] = {}
+    stale = []
+    for i, p in enumerate(phash):
+        if p is not None and len(p) in (0, sig.CORPUS_SIGNATURE_BYTES):
+            by_row[i] = p
+        else:
+            stale.append(i)
+    if stale and "image" not in table.column_names:
+        raise ShardSetError(f"{len(stale)} rows have no version-{sig.SIGNATURE_VERSION} signature and the shard holds "
+                      "no images to recompute it from; re-run the ingest")
+    if stale:
+        from PIL import Image
+
+        from pipelines.schema import decode_row_image
+
+        images = table.select([c for c in ("image", "format", "height", "width") if c in table.column_names])
+        for i in stale:
+            by_row[i] = sig.corpus_codes(Image.fromarray(decode_row_image(images.slice(i, 1).to_pylist()[0])))
+    rows = sorted(i for i, p in by_row.items() if p)
+    codes = np.frombuffer(b"".join(by_row[i] for i in rows), dtype=np.uint8)
+    return rows, codes.reshape(len(rows), sig.CORPUS_CODES, sig.SIGNATURE_BYTES)
 
 
 def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
     """Match new shards / new test sets of ``shard_dir`` against ``index``; append removals, persist state."""
     root = Path(shard_dir)
-    manifest_path = root / "manifest.json"
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"{root}: no manifest.json; point --shards at a completed ingest output directory")
-    manifest = json.loads(manifest_path.read_text())
+    # Every row, removed ones included: a row removed for one test set is still checked against a new one.
+    shard_set = ShardSet(root, honour_removed=False)
     state_path = root / STATE
-    state = _load_state(state_path, index)
+    state, rule_changed = _load_state(state_path, index)
     fingerprints = {name: index.fingerprint(name) for name in index.counts()}
-    removed = read_removed(root)
+    removed = set(schema.read_removed(root))
     new_matches: list[dict] = []
     per_set = {name: 0 for name in fingerprints}
     checked = pairs = rows = 0
-    for shard in manifest.get("shards", []):
+    for i, shard in enumerate(shard_set.shards):
         entry = state["shards"].setdefault(shard["sha256"], {"path": shard["path"], "test_sets": {}})
         todo = {n for n, fp in fingerprints.items() if entry["test_sets"].get(n) != fp}
         if not todo:
             continue
-        path = root / shard["path"]
+        columns = [schema.KEY, schema.CONTENT_HASH, schema.PHASH]
         try:
-            with pa.memory_map(os.fsencode(path)) as src:  # bytes: a folder name need not be UTF-8
-                table = ipc.open_file(src).read_all().select(["key", "content_hash", "phash"])
-        except (OSError, pa.ArrowInvalid, KeyError) as exc:
-            raise OSError(f"{path}: unreadable or missing key/content_hash/phash ({exc}); re-run the ingest") from exc
-        keys = table.column("key").to_pylist()
-        hashes = table.column("content_hash").to_pylist()
-        phash = table.column("phash").to_pylist()
+            table = shard_set.open_shard(i)
+            table = table.select(columns + [c for c in (schema.SOURCE, schema.IMAGE, schema.FORMAT, schema.HEIGHT,
+                                                        schema.WIDTH) if c in table.column_names])
+        except (KeyError, pa.ArrowInvalid) as exc:
+            raise ShardSetError(f"{shard['path']}: missing {'/'.join(columns)} ({exc}); re-run the ingest") from None
+        keys = table.column(schema.KEY).to_pylist()
+        hashes = table.column(schema.CONTENT_HASH).to_pylist()
+        phash = table.column(schema.PHASH).to_pylist()
+        uris = table.column(schema.SOURCE).to_pylist() if schema.SOURCE in table.column_names else [""] * len(keys)
+        coded, codes = _corpus_codes(table, phash)
         found: dict[int, dict] = {}
-        valid = [i for i, p in enumerate(phash) if p is not None and len(p) == sig.SIGNATURE_BYTES]
-        if valid:
-            qi, rec, dist = index.search(np.frombuffer(b"".join(phash[i] for i in valid), dtype=np.uint8)
-                                         .reshape(-1, sig.SIGNATURE_BYTES))
-            for q, r, d in zip(qi.tolist(), rec.tolist(), dist.tolist()):
-                row, name = valid[q], index.test_set[r]
-                if name in todo and (row not in found or d < found[row]["distance"]):
-                    found[row] = {"key": keys[row], "test_set": name, "matched_key": index.key[r],
-                                  "distance": int(d), "exact": False}
+
+        def name_row(row: int, r: int, d: int, exact: bool, direction: str) -> dict:
+            return {"key": keys[row], "source": uris[row], "test_set": index.test_set[r],
+                    "matched_key": index.key[r], "test_uri": index.source[r], "distance": int(d),
+                    "exact": exact, "direction": direction}
+
+        if len(codes):
+            qi, rec, dist, code = index.search_corpus(codes)
+            for q, r, d, c in zip(qi.tolist(), rec.tolist(), dist.tolist(), code.tolist()):
+                row = coded[q]
+                if index.test_set[r] in todo and (row not in found or d < found[row]["distance"]):
+                    found[row] = name_row(row, r, d, False, REVERSE if c else FORWARD)
         for row, h in enumerate(hashes):
-            for r in index._by_hash.get(h, ()):
+            for r in index.exact(h):
                 if index.test_set[r] in todo:
-                    found[row] = {"key": keys[row], "test_set": index.test_set[r], "matched_key": index.key[r],
-                                  "distance": 0, "exact": True}
+                    found[row] = name_row(row, r, 0, True, "exact")
                     break
         for row in sorted(found):
             m = found[row]
             if m["key"] not in removed:
-                removed[m["key"]] = m
+                removed.add(m["key"])
                 new_matches.append(m)
                 per_set[m["test_set"]] = per_set.get(m["test_set"], 0) + 1
         checked += 1
@@ -136,9 +172,10 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
         for n in todo:
             entry["test_sets"][n] = fingerprints[n]
     if new_matches:
-        with open(root / REMOVED, "a") as f:
+        with open(root / schema.REMOVED, "a") as f:
             for m in new_matches:
                 f.write(json.dumps(m) + "\n")
     if pairs:
         atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True))
-    return RescanResult(len(manifest.get("shards", [])), checked, pairs, rows, new_matches, per_set)
+    return RescanResult(len(shard_set.shards), checked, pairs, rows, new_matches, per_set,
+                        rule_changed if pairs else None)

@@ -16,9 +16,11 @@ so an added frame maps back to the original content. Crops are handled on the
 index side (:func:`variant_codes`): each test image is also indexed under the
 crops a corpus copy may have had (``CROP_VARIANTS``), and a corpus image
 matches when it is close to any of them (the match rule: :mod:`dedup.index`).
+For the reverse direction, a test image cut from a corpus photo, the corpus
+side also stores the code of its inner crop (:func:`corpus_codes`, ``INNER_CROPS``).
 
-The default threshold and the measured recall and false-match rate are recorded
-in :mod:`dedup.calibration`; the threshold is ``dedup.index.DEFAULT_THRESHOLD``.
+The threshold is ``dedup.index.DEFAULT_THRESHOLD``, chosen by :mod:`dedup.calibration`;
+the measured recall and false-match rate are in benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import numpy as np
 from PIL import Image
 from scipy.fft import dctn
 
-SIGNATURE_VERSION = 2
+SIGNATURE_VERSION = 3
 DCT_SIZE = 32
 CODE_BITS = 128
 SIGNATURE_BYTES = CODE_BITS // 8
@@ -71,6 +73,22 @@ _CROP_CORNERS: tuple[tuple[float, float, float, float], ...] = (
 _CROP_CENTRES = tuple((l, t, r, b) for l in (0.025, 0.075) for t in (0.025, 0.075)
                       for r in (0.025, 0.075) for b in (0.025, 0.075))
 CROP_VARIANTS: tuple[tuple[float, float, float, float], ...] = _CROP_CORNERS + _CROP_CENTRES
+
+# Corpus-side inner crops (left, top, right, bottom fractions of the trimmed
+# image), for the reverse direction: a test image T cut from a corpus photo C
+# by b <= 10% per side. C's 10%-per-side centre is then T cropped by
+# (0.1 - b_side) / (1 - b_l - b_r) per side, 0 to 0.111, which is the box the
+# index-side CROP_VARIANTS of T already cover. So one extra code per corpus
+# image, searched against the same index, finds C when T is a crop of it.
+# Low-texture images (flat colour, soft gradients) are exact-or-nothing: below
+# this texture_margin neither side carries codes, so they match by content hash
+# only. The threshold sits in the gap the calibration measured between real
+# photographs and such images (dedup.calibration.low_texture_report).
+LOW_TEXTURE_MARGIN = 2.5
+
+INNER_CROPS: tuple[tuple[float, float, float, float], ...] = ((0.1, 0.1, 0.1, 0.1),)
+CORPUS_CODES = 1 + len(INNER_CROPS)
+CORPUS_SIGNATURE_BYTES = CORPUS_CODES * SIGNATURE_BYTES
 
 
 def content_hash(img: Image.Image) -> str:
@@ -143,12 +161,36 @@ def trim_box(lum: np.ndarray | Image.Image) -> tuple[int, int, int, int]:
     return box
 
 
-def _code(lum: np.ndarray | Image.Image) -> np.ndarray:
+def _coeffs(lum: np.ndarray | Image.Image, box: tuple[float, float, float, float] | None = None) -> np.ndarray:
     image = lum if isinstance(lum, Image.Image) else Image.fromarray(lum)
-    small = np.asarray(image.resize((DCT_SIZE, DCT_SIZE), Image.BOX), dtype=np.float64)
-    coeffs = dctn(small, norm="ortho")[_ROWS, _COLS]
-    bits = coeffs > np.median(coeffs)
-    return np.packbits(bits)
+    small = np.asarray(image.resize((DCT_SIZE, DCT_SIZE), Image.BOX, box=box), dtype=np.float64)
+    return dctn(small, norm="ortho")[_ROWS, _COLS]
+
+
+def _bits(coeffs: np.ndarray) -> np.ndarray:
+    return np.packbits(coeffs > np.median(coeffs))
+
+
+def _margin(coeffs: np.ndarray) -> float:
+    return float(np.median(np.abs(coeffs - np.median(coeffs))))
+
+
+def _code(lum: np.ndarray | Image.Image, box: tuple[float, float, float, float] | None = None) -> np.ndarray:
+    return _bits(_coeffs(lum, box))
+
+
+def texture_margin(img: Image.Image) -> float:
+    """Median distance of the code's DCT coefficients from their median (grey levels x 32).
+
+    Each code bit says on which side of that median a coefficient lies, so this
+    is how far a typical bit is from flipping. Flat colour and soft gradients
+    have it near 0 (their bits are JPEG noise, or the same for every gradient of
+    one direction); below ``LOW_TEXTURE_MARGIN`` an image is matched by its
+    content hash only.
+    """
+    lum = _luminance_image(img)
+    box = trim_box(lum)
+    return _margin(_coeffs(lum.crop(box) if box != (0, 0, lum.width, lum.height) else lum))
 
 
 def _crop(lum: np.ndarray, frac: tuple[float, float, float, float]) -> np.ndarray:
@@ -161,13 +203,46 @@ def compute(img: Image.Image) -> bytes:
     """The near-duplicate signature of a decoded image: ``SIGNATURE_BYTES`` bytes.
 
     The same bits as ``_code(trimmed luminance array)``, computed on a mode ``F``
-    image so that the luminance is not copied into numpy and back (0.3 ms at 0.5 MP).
+    image so that the luminance is not copied into numpy and back.
     """
     lum = _luminance_image(img)
     box = trim_box(lum)
     if box != (0, 0, lum.width, lum.height):
         lum = lum.crop(box)
     return _code(lum).tobytes()
+
+
+def corpus_codes(img: Image.Image) -> bytes:
+    """What the corpus side stores and searches: ``CORPUS_SIGNATURE_BYTES`` bytes.
+
+    The first ``SIGNATURE_BYTES`` are :func:`compute` (the forward direction: a
+    corpus copy that is a crop of a test image); then one code per
+    ``INNER_CROPS`` entry, the same crop of the trimmed luminance as
+    ``variant_codes`` takes on the index side (the reverse direction: a test
+    image that is a crop of the corpus image). The crop is a resampling box,
+    not a copy.
+    """
+    lum = _luminance_image(img)
+    box = trim_box(lum)
+    if box != (0, 0, lum.width, lum.height):
+        lum = lum.crop(box)
+    h, w = lum.height, lum.width
+    whole = _coeffs(lum)
+    if _margin(whole) < LOW_TEXTURE_MARGIN:
+        return b""  # low texture: exact (content hash) matches only
+    codes = [_bits(whole).tobytes()]
+    for l, t, r, b in INNER_CROPS:
+        crop = (round(l * w), round(t * h), w - round(r * w), h - round(b * h))
+        codes.append(_code(lum, crop).tobytes())
+    return b"".join(codes)
+
+
+def split_codes(stored: bytes) -> list[bytes]:
+    """The codes of a stored corpus signature (:func:`corpus_codes`, or a bare :func:`compute`)."""
+    if stored is None or len(stored) % SIGNATURE_BYTES:
+        raise ValueError(f"corpus signature of {len(stored or b'')} bytes: expected a multiple of {SIGNATURE_BYTES}; "
+                         f"recompute it with dedup.signatures.corpus_codes (signature version {SIGNATURE_VERSION})")
+    return [stored[i: i + SIGNATURE_BYTES] for i in range(0, len(stored), SIGNATURE_BYTES)]
 
 
 def variant_codes(img: Image.Image) -> np.ndarray:
@@ -177,18 +252,20 @@ def variant_codes(img: Image.Image) -> np.ndarray:
     (row 0 is :func:`compute`); the rows after them, at most
     ``len(CROP_VARIANTS)`` and only where they differ, are the same crops taken
     before trimming and then trimmed, as :func:`compute` sees a cropped copy.
+    No rows for a low-texture image (``LOW_TEXTURE_MARGIN``).
     """
     raw = luminance(img)
     l, t, r, b = trim_box(raw)
     lum = raw[t:b, l:r]
+    if _margin(_coeffs(lum)) < LOW_TEXTURE_MARGIN:  # low texture: exact matches only
+        return np.zeros((0, SIGNATURE_BYTES), dtype=np.uint8)
     codes = [_code(_crop(lum, frac)) for frac in CROP_VARIANTS]
     # A crop can bring a flat part of the content (sky, a wall) onto the new
     # edge, and the query side then trims it away (up to _TRIM_MAX of a side):
     # no crop of the trimmed image looks like that. Indexing trim(crop(image))
     # too covers it exactly, since the trimmed edge stops where the content
     # starts whatever the crop; for images without flat regions these codes
-    # equal the first ones and are dropped. Held-out calibration: 10% crops on
-    # all sides 0.959 -> 1.000, random crops 0.970 -> 0.974, no new false pair.
+    # equal the first ones and are dropped (its effect on recall: benchmarks/README.md).
     seen = {c.tobytes() for c in codes}
     for frac in CROP_VARIANTS:
         cropped = _crop(raw, frac)

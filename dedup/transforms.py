@@ -1,9 +1,14 @@
-"""The transforms a near-duplicate detector must survive (issue 5), as named, seeded functions.
+"""The transforms a near-duplicate detector must survive (issues 5 and 15), as named, seeded functions.
 
 Each transform maps an 8-bit RGB image to a new 8-bit RGB image the way a
 copy of a test image typically reaches a web-scale corpus: rescaled, re-encoded,
 cropped or framed, re-toned, desaturated. The calibration uses them to build
 positives; the tests plant them in a corpus.
+
+``REVERSE_TRANSFORMS`` go the other way, the way benchmark test sets were made
+(CIFAR, Pets, ImageNet-val were cut from larger photos): the transformed image
+is the *test* image, cut 2 to 10% per side from the corpus photo, resized to
+256 px on its long side and re-encoded as JPEG at quality 30 to 90.
 """
 from __future__ import annotations
 
@@ -98,7 +103,29 @@ TRANSFORMS: dict[str, Transform] = {
 
 # Transforms that draw from their seed: the calibration samples these several
 # times per image, so one unlucky draw does not decide their recall.
-RANDOM_TRANSFORMS = frozenset({"crop_random", "border_5_color"})
+def _reverse(left: float | None = None, top: float = 0, right: float = 0, bottom: float = 0,
+             quality: int | None = None) -> Transform:
+    """Cut a test image from a corpus photo: crop (random 2..10% per side when ``left`` is None),
+    long side to 256 px, JPEG at ``quality`` (random 30..90 when None)."""
+    def f(img: Image.Image, rng: random.Random) -> Image.Image:
+        box = (left, top, right, bottom) if left is not None else tuple(rng.uniform(0.02, 0.1) for _ in range(4))
+        img = _crop(*box)(img, rng)
+        scale = 256 / max(img.size)
+        img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.LANCZOS)
+        return _encode("JPEG", quality=quality if quality is not None else rng.randint(30, 90))(img, rng)
+    return f
+
+
+REVERSE: dict[str, Transform] = {
+    "reverse_crop_2_all_q75": _reverse(0.02, 0.02, 0.02, 0.02, 75),
+    "reverse_crop_5_all_q50": _reverse(0.05, 0.05, 0.05, 0.05, 50),
+    "reverse_crop_10_all_q30": _reverse(0.1, 0.1, 0.1, 0.1, 30),
+    "reverse_crop_10_left_q90": _reverse(0.1, 0.02, 0.02, 0.02, 90),
+    "reverse_crop_random": _reverse(),
+}
+TRANSFORMS.update(REVERSE)
+REVERSE_TRANSFORMS = frozenset(REVERSE)
+RANDOM_TRANSFORMS = frozenset({"crop_random", "border_5_color", "reverse_crop_random"})
 
 
 def apply(name: str, img: Image.Image, seed: int = 0) -> Image.Image:

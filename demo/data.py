@@ -27,25 +27,14 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from common.photos import photo
+
 SHAPE_CLASSES = ("circle", "square", "triangle", "hstripes", "vstripes", "checker", "gradient", "ring")
 
-# Real photographs: (module, name). Grayscale ones are included on purpose: ingest turns them into RGB.
-PHOTO_SOURCES = (
-    ("skimage", "astronaut.png"),
-    ("skimage", "chelsea.png"),
-    ("skimage", "coffee.png"),
-    ("skimage", "hubble_deep_field.jpg"),
-    ("skimage", "retina.jpg"),
-    ("skimage", "rocket.jpg"),
-    ("skimage", "motorcycle_left.png"),
-    ("skimage", "ihc.png"),
-    ("skimage", "brick.png"),
-    ("skimage", "grass.png"),
-    ("skimage", "camera.png"),
-    ("skimage", "coins.png"),
-    ("sklearn", "china.jpg"),
-    ("sklearn", "flower.jpg"),
-)
+# Real photographs (common.photos), one class each. Grayscale ones are included on purpose: ingest turns them into RGB.
+PHOTO_NAMES = ("astronaut.png", "chelsea.png", "coffee.png", "hubble_deep_field.jpg", "retina.jpg", "rocket.jpg",
+               "motorcycle_left.png", "ihc.png", "brick.png", "grass.png", "camera.png", "coins.png",
+               "china.jpg", "flower.jpg")
 
 
 @dataclasses.dataclass
@@ -68,16 +57,6 @@ class DemoData:
         return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
 
 
-def photo(source: str, name: str) -> Image.Image:
-    """Load one bundled real photograph as RGB (no network: the files ship inside the wheels)."""
-    if source == "skimage":
-        import skimage
-
-        path = Path(skimage.__file__).parent / "data" / name
-        return Image.open(path).convert("RGB")
-    from sklearn.datasets import load_sample_image
-
-    return Image.fromarray(load_sample_image(name)).convert("RGB")
 
 
 def _random_colour(rng: np.random.Generator) -> tuple[int, int, int]:
@@ -181,10 +160,10 @@ def build(
         for i in range(per_shape):
             _save(draw_shape(kind, image_size, rng), corpus / kind / f"{kind}_{i:04d}", rng)
             n += 1
-    for source, name in PHOTO_SOURCES:
+    for name in PHOTO_NAMES:
         cls = Path(name).stem
         (corpus / cls).mkdir(parents=True)
-        base = photo(source, name)
+        base = photo(name)
         for i in range(per_photo):
             _save(random_crop(base, image_size, rng), corpus / cls / f"{cls}_{i:04d}", rng)
             n += 1
@@ -241,7 +220,7 @@ def build(
         planted=planted,
         corrupt=corrupt,
         exact_copies=copies,
-        classes=len(SHAPE_CLASSES) + len(PHOTO_SOURCES),
+        classes=len(SHAPE_CLASSES) + len(PHOTO_NAMES),
         downstream_classes=10,
         train_images=train_images,
         test_images=test_images,
@@ -249,6 +228,84 @@ def build(
     (root / "demo_data.json").write_text(json.dumps(data.to_dict(), indent=2))
     return data
 
+
+
+# -- VTAB-style tasks: one small generated task per VTAB group -----------------------------------------
+
+TEXTURES = ("grain", "blobs", "lines", "dots")
+VTAB_TASKS = {"digits": "natural", "textures": "specialized", "count": "structured"}
+# count: a crop can cut shapes out of the picture and change the label (cf. VTAB's CLEVR count).
+VTAB_NO_CROP = ("count",)
+
+
+def draw_texture(kind: str, size: int, rng: np.random.Generator) -> Image.Image:
+    """A procedural texture, the stand-in for a specialised (remote-sensing, medical) image."""
+    a, b = np.array(_random_colour(rng), np.float32), np.array(_random_colour(rng), np.float32)
+    if kind == "grain":  # fine, high-frequency noise
+        t = rng.random((size, size))
+    elif kind == "blobs":  # smooth low-frequency noise: a coarse grid upsampled
+        coarse = Image.fromarray((rng.random((4, 4)) * 255).astype(np.uint8)).resize((size, size), Image.BICUBIC)
+        t = np.asarray(coarse, np.float32) / 255.0
+    elif kind == "lines":  # parallel lines at a random angle
+        angle, period = rng.uniform(0, np.pi), rng.uniform(4, 9)
+        yy, xx = np.mgrid[0:size, 0:size]
+        t = (np.sin((xx * np.cos(angle) + yy * np.sin(angle)) * 2 * np.pi / period) > 0).astype(np.float32)
+    elif kind == "dots":  # a jittered lattice of dots
+        img = Image.new("L", (size, size), 0)
+        d = ImageDraw.Draw(img)
+        step = int(rng.integers(6, 10))
+        for y in range(step // 2, size, step):
+            for x in range(step // 2, size, step):
+                jx, jy = rng.integers(-1, 2, 2)
+                d.ellipse((x + jx - 1.5, y + jy - 1.5, x + jx + 1.5, y + jy + 1.5), fill=255)
+        t = np.asarray(img, np.float32) / 255.0
+    else:
+        raise ValueError(f"unknown texture {kind!r}; known: {', '.join(TEXTURES)}")
+    arr = a * (1 - t[..., None]) + b * t[..., None] + rng.normal(0, 6, (size, size, 3))
+    return Image.fromarray(np.clip(arr, 0, 255).astype(np.uint8))
+
+
+def draw_count(n: int, size: int, rng: np.random.Generator) -> Image.Image:
+    """``n`` non-overlapping small shapes on a plain background: the label is how many there are."""
+    img = Image.new("RGB", (size, size), _random_colour(rng))
+    d = ImageDraw.Draw(img)
+    r = size / 10
+    placed: list[tuple[float, float]] = []
+    while len(placed) < n:
+        cx, cy = rng.uniform(r + 1, size - r - 1, 2)
+        if all((cx - px) ** 2 + (cy - py) ** 2 > (2.4 * r) ** 2 for px, py in placed):
+            placed.append((cx, cy))
+            box = (cx - r, cy - r, cx + r, cy + r)
+            (d.ellipse if rng.random() < 0.5 else d.rectangle)(box, fill=_random_colour(rng))
+    return img
+
+
+def build_vtab_tasks(root: str | Path, *, train: int = 200, test: int = 100, size: int = 32,
+                     seed: int = 0) -> dict[str, Path]:
+    """Write three class-folder tasks, ``root/<task>/{train,test}/<class>/*.png``: digits (natural),
+    textures (specialized) and a count of drawn shapes (structured). ``train`` images per task are
+    what jobs/vtab_prepare.py --source folders cuts train and val from, ``test`` for testing. Returns ``{task: folder}``."""
+    root = Path(root)
+    if root.exists():
+        shutil.rmtree(root)
+    rng = np.random.default_rng(seed + 1)
+    imgs, labels = digit_images()
+    order = rng.permutation(len(imgs))
+    makers = {
+        "digits": lambda i: (imgs[order[i]].resize((size, size), Image.BICUBIC), str(labels[order[i]])),
+        "textures": lambda i: (draw_texture(TEXTURES[i % len(TEXTURES)], size, rng), TEXTURES[i % len(TEXTURES)]),
+        "count": lambda i: (draw_count(1 + i % 4, size, rng), str(1 + i % 4)),
+    }
+    out = {}
+    for task, make in makers.items():
+        for split, start, n in (("train", 0, train), ("test", train, test)):
+            for i in range(start, start + n):
+                img, cls = make(i)
+                d = root / task / split / cls
+                d.mkdir(parents=True, exist_ok=True)
+                img.save(d / f"{task}_{i:05d}.png")
+        out[task] = root / task
+    return out
 
 if __name__ == "__main__":  # pragma: no cover - convenience
     import sys

@@ -37,6 +37,11 @@ class DemoConfig:
     finetune_steps: int = field(default=300, metadata={"help": "SGD steps per learning rate"})
     finetune_batch_size: int = field(default=64, metadata={"help": "fine-tuning batch"})
     lrs: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.3], metadata={"help": "fine-tuning learning-rate grid"})
+    vtab_train: int = field(default=160, metadata={"help": "VTAB stage: train images per task (VTAB-1k: 800)"})
+    vtab_val: int = field(default=40, metadata={"help": "VTAB stage: val images per task (VTAB-1k: 200)"})
+    vtab_test: int = field(default=100, metadata={"help": "VTAB stage: test images per task"})
+    vtab_lrs: list[float] = field(default_factory=lambda: [0.03, 0.1], metadata={"help": "VTAB stage: learning rates"})
+    vtab_steps: list[int] = field(default_factory=lambda: [40, 80], metadata={"help": "VTAB stage: schedules (steps)"})
     num_workers: int = field(default=2, metadata={"help": "Ray Train workers"})
     prepare_workers: int = field(default=2, metadata={"help": "Beam DirectRunner workers"})
     per_shape: int = field(default=60, metadata={"help": "generated images per shape class"})
@@ -46,7 +51,7 @@ class DemoConfig:
 
     def __post_init__(self) -> None:
         for name in ("img_size", "finetune_img_size", "epochs", "batch_size", "finetune_steps", "num_workers",
-                     "per_shape", "per_photo", "prepare_workers"):
+                     "per_shape", "per_photo", "prepare_workers", "vtab_train", "vtab_val", "vtab_test"):
             check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         check(len(self.lrs) > 0, "lrs", "give at least one learning rate")
 
@@ -88,11 +93,36 @@ def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_s
 
 
 def _stage(n: int, text: str) -> None:
-    print(f"==> [{n}/4] {text}", flush=True)
+    print(f"==> [{n}/5] {text}", flush=True)
+
+
+def _vtab(cfg: DemoConfig, work: Path, pretrained: str, log: Path) -> dict:
+    """Generate the three tasks, write their train/val/test shard sets with the folders converter
+    (the Beam ingest), and run the VTAB protocol on them with the pre-trained model."""
+    from demo import data as demo_data
+    from training.vtab import VtabConfig, run_vtab
+    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
+
+    raw = demo_data.build_vtab_tasks(work / "data" / "vtab", train=cfg.vtab_train + cfg.vtab_val,
+                                     test=cfg.vtab_test, size=32, seed=cfg.seed)
+    specs = []
+    for name, src in raw.items():
+        out = work / "shards" / "vtab" / name
+        with _stderr_to(None if cfg.verbose else log):
+            run_vtab_prepare(VtabPrepareConfig(source="folders", input=str(src), output=str(out), size=32,
+                                               train_size=cfg.vtab_train, val_size=cfg.vtab_val, seed=cfg.seed))
+        specs.append(f"{demo_data.VTAB_TASKS[name]}/{name}={out}")
+    return run_vtab(VtabConfig(
+        task=specs, no_crop=list(demo_data.VTAB_NO_CROP), no_flip=["digits"], pretrained=pretrained,
+        output=str(work / "vtab"), img_size=cfg.finetune_img_size, lrs=list(cfg.vtab_lrs),
+        steps=list(cfg.vtab_steps), batch_size=cfg.finetune_batch_size, warmup_steps=5, crop_min_area=0.6,
+        seed=cfg.seed,
+    ))
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from common import tracking
+    from common.fs import atomic_write, make_output_dir
     from demo import data as demo_data
     from training.finetune import FinetuneConfig, run_finetune
     from training.pretrain import PretrainConfig, run_pretrain
@@ -106,12 +136,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         import mlflow  # noqa: F401  (it sets its loggers to INFO when imported; quieten them after)
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # "Creating initial MLflow database tables..."
+    work = make_output_dir(cfg.workdir, "workdir")
     init_ray(log_to_driver=cfg.verbose)
-    work = Path(cfg.workdir).resolve()
-    work.mkdir(parents=True, exist_ok=True)
     # The demo is a fresh run each time: its fixed run name would otherwise resume (and so
     # skip) the previous demo's pre-training. The MLflow store is kept, so runs accumulate.
-    for stale in ("pretrain", "finetune"):
+    for stale in ("pretrain", "finetune", "vtab"):
         shutil.rmtree(work / stale, ignore_errors=True)
     # The demo's MLflow store lives with its outputs unless the user points elsewhere.
     os.environ.setdefault("VITSCALE_HOME", str(work / "mlruns"))
@@ -157,6 +186,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                 warmup_steps=15, flip=False, crop_min_area=0.6, seed=cfg.seed,
             ))
             timings["finetune"] = time.perf_counter() - t
+
+            _stage(5, "VTAB-style: three generated tasks (natural, specialized, structured), "
+                      f"{len(cfg.vtab_lrs)} lrs x {len(cfg.vtab_steps)} schedules on Ray Tune")
+            t = time.perf_counter()
+            vtab = _vtab(cfg, work, pre["model"], beam_log)
+            timings["vtab"] = time.perf_counter() - t
         finally:
             os.environ.pop("VITSCALE_PARENT_RUN_ID", None)
         timings["total"] = time.perf_counter() - t_all
@@ -165,6 +200,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             "prepare": {"corpus": corpus["counts"], "digits_train": train["counts"], "digits_test": test["counts"]},
             "pretrain": pre,
             "finetune": fine,
+            "vtab": vtab,
             "timings_s": {k: round(v, 1) for k, v in timings.items()},
             "mlflow_run_id": demo_run.info.run_id,
             "mlflow_ui": tracking.ui_command(),
@@ -172,7 +208,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         tracking.log_metrics({f"time_{k}_s": v for k, v in timings.items()})
         tracking.log_dict(summary, "demo_summary.json")
         tracking.log_text(format_table(summary), "demo_results.txt")
-    (work / "demo_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    atomic_write(work / "demo_summary.json", json.dumps(summary, indent=2, default=str))
     return summary
 
 
@@ -202,6 +238,14 @@ def format_table(s: dict[str, Any]) -> str:
     for row in s["finetune"]["trials"]:
         mark = "  <- selected (best val)" if row["lr"] == s["finetune"]["selected_lr"] else ""
         lines.append(f"  {row['lr']:>8g}  {row['train_loss']:>10.4f}  {row['val_accuracy']:>8.3f}  {row['test_accuracy']:>8.3f}{mark}")
+    lines += [
+        f"  retrained on all of train at lr {s['finetune']['selected_lr']:g}: test accuracy "
+        f"{s['finetune']['test_accuracy']:.3f}  (the result)",
+    ]
+    if s.get("vtab"):
+        from training.vtab import format_table as vtab_table
+
+        lines += ["", vtab_table(s["vtab"])]
     lines += [
         "",
         "Wall time (s): " + ", ".join(f"{k} {v}" for k, v in s["timings_s"].items()),

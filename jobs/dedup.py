@@ -13,17 +13,19 @@ import sys
 # Run as a script, this file's folder comes first on sys.path and its name would
 # shadow the ``dedup`` package.
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from common.cli import run_job
 from dedup.job import DedupConfig, run
-from common.config import parse_args
+
+
+def _report(summary: dict) -> None:
+    print(summary["message"])
+    print(json.dumps(summary, sort_keys=True))
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(DedupConfig, argv, prog="jobs/dedup.py")
-    summary = run(cfg)
-    print(summary["message"])
-    print(json.dumps(summary, sort_keys=True))
-    return 0
+    return run_job(DedupConfig, run, argv, prog="dedup", report=_report)
 
 
 if __name__ == "__main__":

@@ -7,16 +7,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common.config import parse_args  # noqa: E402
+from common.cli import run_job  # noqa: E402
 from demo.run import DemoConfig, format_table, run_demo  # noqa: E402
 
 
-def main(argv=None) -> int:
-    cfg = parse_args(DemoConfig, argv, prog="demo")
-    summary = run_demo(cfg)
+def _report(summary: dict) -> None:
     print()
     print(format_table(summary))
-    return 0
+
+
+def main(argv=None) -> int:
+    return run_job(DemoConfig, run_demo, argv, prog="demo", report=_report)
 
 
 if __name__ == "__main__":

@@ -6,10 +6,9 @@ same file. It imports neither Beam nor Ray.
 
 Ordinary colour JPEGs (the bulk of every corpus) are decoded by libjpeg-turbo
 through ``simplejpeg``, straight into the memory of a new Pillow image
-(:func:`_decode_jpeg_turbo`). Pillow's own JPEG path reads the
-file in 64 KB chunks and repacks every row; at 2 MP with a 1/2 DCT scale the
-direct path is faster per image by about 0.4 ms (6%) on an older EPYC and by
-0.03 to 0.1 ms (1 to 2%) on a Zen 5 one. Both bundle libjpeg-turbo
+(:func:`_decode_jpeg_turbo`), which is faster than Pillow's own path that
+reads the file in 64 KB chunks and repacks every row (figures:
+benchmarks/README.md). Both bundle libjpeg-turbo
 with the same integer IDCT and fancy upsampling, and the tests check that
 their pixels are identical. Any file the strict fast path refuses (truncated,
 corrupt, or merely carrying a libjpeg warning that Pillow tolerates) goes

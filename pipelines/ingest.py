@@ -166,7 +166,8 @@ def _match_test_sets(record: dict, index) -> dict:
     m = matches[0]  # closest first; an item is counted against one test set only
     return {
         "_t": "duplicate", "key": record["key"], "uri": record["uri"], "cause": m.test_set,
-        "test_set": m.test_set, "test_key": m.key, "distance": int(m.distance), "exact": bool(m.exact),
+        "test_set": m.test_set, "test_key": m.key, "test_uri": m.uri, "distance": int(m.distance),
+        "exact": bool(m.exact), "direction": m.direction,
     }
 
 
@@ -445,15 +446,12 @@ def run_prepare(cfg: PrepareConfig) -> dict:
 
     from common import config as vconfig
     from common import tracking
+    from pipelines.testsets import check_sources
 
     units = plan_inputs(cfg)
     label_map = load_label_map(cfg.label_map) if cfg.label_map else None
     test_sets = cfg.test_sets()
-    for name, src in test_sets.items():
-        try:
-            plan(src)
-        except SourceError as exc:
-            raise PrepareError(f"test_set {name}: {exc}") from None
+    check_sources(test_sets)
 
     try:
         cfg = dataclasses.replace(cfg, output=durable_path(cfg.output, "output"))
@@ -501,13 +499,9 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                         f"{exc}. No manifest was written after {attempt} attempts. This is a bug; please report it "
                         f"with {staging} and the MLflow run {run.info.run_id} (failed_attempt_*/outputs.jsonl)"
                     ) from None
-                # Beam 2.77's DirectRunner with several workers dropped elements through a race in
-                # its time-based stream flush (local_runner.flush_by_size_only turns it off): 544
-                # records in one of about twenty 5000-image multi_processing runs, 2 in each
-                # multi_threading run. Should anything like it remain, the in-process runner
-                # (--workers 1) has none of those streams, so the second attempt uses it.
-                # The pipeline is deterministic: the shards it rewrites are exactly those of a
-                # clean first run.
+                # Should the DirectRunner's multi-worker streams still lose elements
+                # (local_runner.flush_by_size_only), the in-process runner has none of them; the
+                # pipeline is deterministic, so its shards are exactly those of a clean first run.
                 if _direct(run_cfg) and not _in_process(run_cfg):
                     run_cfg = dataclasses.replace(run_cfg, workers=1)
                 log.warning("prepare: attempt %d: %s; running the pipeline again%s", attempt, exc,

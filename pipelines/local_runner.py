@@ -1,19 +1,12 @@
 """The DirectRunner's multi-worker modes: no lost elements, kept to this machine, and quiet.
 
-**Lost elements.** Beam 2.77 buffers the data it streams between the runner and
-its workers in ``TimeBasedBufferingClosableOutputStream`` whenever a time limit
-is set, and the FnApiRunner sets one (``worker_handlers.DATA_BUFFER_TIME_LIMIT_MS``,
-1000 ms) for everything the runner sends to workers and, in ``multi_threading``
-mode, for everything the workers send back. A ``PeriodicThread`` flushes that
-buffer: it takes ``get()``, hands the bytes on, then calls ``_clear()``. The
-bundle thread keeps writing elements meanwhile without the flush lock, and
-whatever it writes between the ``get()`` and the ``_clear()`` is discarded. No
-error is raised. Large elements widen the window (the copy in ``get()`` takes
-longer), which is why the ingest lost whole input units and large records now
-and then (README, "Output"). :func:`flush_by_size_only` sets the limit to 0, so
-the streams flush only between elements, on size, and at the end of a bundle, as
-the subprocess workers already do by default. Batch pipelines lose nothing by
-it; the time limit exists for streaming latency.
+**Lost elements.** Beam 2.77's time-based flush of the runner-worker data streams
+(``worker_handlers.DATA_BUFFER_TIME_LIMIT_MS``) races with the bundle thread and silently
+drops what is written between its ``get()`` and ``_clear()``. :func:`flush_by_size_only`
+sets the limit to 0, so the streams flush only between elements, on size, and at the end
+of a bundle; batch pipelines lose nothing by it (the limit exists for streaming latency).
+The mechanism, the losses it caused and the check that measures it:
+benchmarks/README.md, "DirectRunner elements lost".
 
 **Loopback.** With ``--workers N`` (N > 1) Beam's DirectRunner starts N workers and
 serves them control, data, state and logging over gRPC. Beam 2.77 binds those

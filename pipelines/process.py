@@ -59,10 +59,10 @@ def resize(img: Image.Image, size: int, max_long_side: int | None = None, upscal
 def resize_bicubic(img: Image.Image, new: tuple[int, int]) -> Image.Image:
     """Antialiased bicubic resize of an 8-bit RGB image to ``new`` = (width, height).
 
-    torch's uint8 antialiased kernels were written to reproduce Pillow's filters: against
-    ``Image.resize(BICUBIC)`` the output differs by at most one grey level (mean 0.004 on a
-    866x578 -> 576x384 photo), but they run about 6x faster (0.9 ms against 5.5 ms per image on
-    one core). After draft-mode decoding, Pillow's resize was the largest cost of the ingest.
+    torch's uint8 antialiased kernels were written to reproduce Pillow's filters (within one
+    grey level of ``Image.resize(BICUBIC)``) and run several times faster;
+    after draft-mode decoding, Pillow's resize was the largest cost of the ingest
+    (figures: benchmarks/README.md).
     """
     if img.mode != "RGB":
         return img.resize(new, Image.Resampling.BICUBIC, reducing_gap=3.0)
@@ -122,8 +122,7 @@ def _resize_pixels(pixels: np.ndarray, new: tuple[int, int]) -> np.ndarray:
     The result is a view into this thread's scratch buffer, valid until the next call on the
     same thread. Writing into a preallocated channels-last tensor lets torch's uint8 AVX2
     kernel store pixels in their final interleaved order; a fresh result would come back
-    channel-planar and need a transposing copy, and its first touch costs page faults
-    (at 2 MP, resize plus copy took 1.1 ms this way and take 0.58 ms here).
+    channel-planar and need a transposing copy, and its first touch costs page faults.
     """
     import torch
     import torch.nn.functional as F
@@ -177,7 +176,7 @@ def process_item(item: SourceItem, opts: ProcessOptions) -> dict[str, Any]:
     except BadImage as exc:
         return reject(item.uri, exc.reason, exc.detail)
     content_hash = signatures.content_hash(img)
-    phash = signatures.compute(img)
+    phash = signatures.corpus_codes(img)  # both directions of the dedup rule (dedup.index)
     image, fmt, width, height = resize_encode(img, opts)
     return {
         "_t": "record",

@@ -21,7 +21,7 @@ Columns (:data:`SCHEMA`, version :data:`SCHEMA_VERSION`):
                            bytes of a file name that are not UTF-8 appear as ``\\xNN`` (:func:`text_uri`)
 ``content_hash``  string   SHA-256 of the decoded pixels, ``dedup.signatures.content_hash`` (large
                            JPEGs are hashed as decoded at the DCT-draft scale for ``--size``)
-``phash``         binary   perceptual signature, ``dedup.signatures.compute`` of the decoded image
+``phash``         binary   perceptual signatures, ``dedup.signatures.corpus_codes`` of the decoded image
 
 ``manifest.json`` holds ``schema_version``, ``shards`` (``path`` relative to DIR,
 ``rows``, ``bytes``, ``sha256``; sorted by path), ``num_rows``, ``label_map``
@@ -150,6 +150,19 @@ def read_removed(directory: str | os.PathLike, fs=None) -> frozenset[str]:
     return frozenset(keys)
 
 
+def _check_inside(name: Any, manifest: str) -> None:
+    """A shard path from a manifest must name a file inside the shard set's directory: a
+    relative path with no ``..``, so that a crafted manifest cannot make a reader open (or a
+    job overwrite) files elsewhere."""
+    parts = name.replace("\\", "/").split("/") if isinstance(name, str) else [""]
+    if (not isinstance(name, str) or not name or name.startswith(("/", "\\")) or ":" in parts[0]
+            or "://" in name or ".." in parts):
+        raise ShardSetError(
+            f"{manifest}: shard path {name!r} is not a relative path inside the shard set; "
+            "a manifest may name only files under its own directory (re-run prepare)"
+        )
+
+
 class ShardSet:
     """Read a shard set written by ``prepare``: memory-mapped random access and streaming.
 
@@ -157,6 +170,8 @@ class ShardSet:
         directory: the shard set directory (local path or fsspec URL). Local shards
             are memory-mapped; remote ones are read into memory when opened.
         honour_removed: skip the keys listed in ``removed.jsonl`` (default True).
+        verify: check each shard's sha256 against the manifest when it is first opened, so
+            that a corrupt or tampered shard fails with a clear error instead of being read.
 
     ``len(ss)``/``ss.num_rows`` counts the rows that survive ``removed.jsonl``,
     ``ss[i]`` returns the i-th of them as a dict, and :meth:`iter_batches`
@@ -164,8 +179,9 @@ class ShardSet:
     without them, so it can be handed to data-loader workers.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, honour_removed: bool = True):
+    def __init__(self, directory: str | os.PathLike, *, honour_removed: bool = True, verify: bool = False):
         self.directory = str(directory)
+        self._verify = verify
         self._fs, self._root = _fs(directory)
         self._local = type(self._fs).__name__ == "LocalFileSystem"
         path = f"{self._root}/{MANIFEST}"
@@ -187,6 +203,8 @@ class ShardSet:
             )
         self.label_map: dict[str, int] = dict(self.manifest.get("label_map", {}))
         self.shards: list[dict] = list(self.manifest["shards"])
+        for entry in self.shards:
+            _check_inside(entry.get("path") if isinstance(entry, dict) else entry, path)
         self.removed_keys: frozenset[str] = read_removed(self.directory, self._fs) if honour_removed else frozenset()
         self._tables: dict[int, pa.Table] = {}
         self._retained: list[np.ndarray | None] = [None] * len(self.shards)
@@ -227,6 +245,8 @@ class ShardSet:
         table = self._tables.get(i)
         if table is None:
             path = self.shard_path(i)
+            if self._verify:
+                self._check_sha256(i)
             try:
                 if self._local:
                     source = pa.memory_map(os.fsencode(path), "r")  # bytes: a folder name need not be UTF-8
@@ -281,15 +301,22 @@ class ShardSet:
             name = entry["path"]
             if not self._fs.exists(path):
                 raise ShardSetError(f"{name}: listed in the manifest but missing; re-run prepare")
-            actual = file_sha256(path, self._fs)
-            if actual != entry["sha256"]:
-                raise ShardSetError(
-                    f"{name}: sha256 mismatch (manifest says {entry['sha256'][:12]}…, file has {actual[:12]}…); "
-                    "re-run prepare"
-                )
+            self._check_sha256(i)
             rows = self.open_shard(i).num_rows
             if rows != int(entry["rows"]):
                 raise ShardSetError(f"{name}: {rows} rows, manifest says {entry['rows']}; re-run prepare")
+
+    def _check_sha256(self, i: int) -> None:
+        entry = self.shards[i]
+        try:
+            actual = file_sha256(self.shard_path(i), self._fs)
+        except FileNotFoundError:
+            raise ShardSetError(f"{entry['path']}: listed in the manifest but missing; re-run prepare") from None
+        if actual != entry["sha256"]:
+            raise ShardSetError(
+                f"{entry['path']}: sha256 mismatch (manifest says {entry['sha256'][:12]}…, file has {actual[:12]}…); "
+                "re-run prepare"
+            )
 
     def __getstate__(self):
         state = dict(self.__dict__)

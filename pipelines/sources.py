@@ -42,15 +42,17 @@ import posixpath
 import tarfile
 from typing import Callable, Iterator
 
+from common.config import InputError
+from common.fs import url_to_fs
 from pipelines.decode import BadImage
-from pipelines.schema import text_uri
+from pipelines.schema import MANIFEST, text_uri
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet")
 FILES_PER_UNIT = 16
 
 
-class SourceError(ValueError):
+class SourceError(InputError):
     """A source that cannot be enumerated at all (missing path, unreadable manifest)."""
 
 
@@ -105,12 +107,6 @@ def _has_suffix(path: str, suffixes: tuple[str, ...]) -> bool:
     return path.lower().endswith(suffixes)
 
 
-def _url_to_fs(url: str):
-    import fsspec
-
-    return fsspec.core.url_to_fs(url)
-
-
 def _is_hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
@@ -153,12 +149,12 @@ def _tar_stem(path: str) -> str:
 
 def plan(source: str, *, files_per_unit: int = FILES_PER_UNIT) -> list[Unit]:
     """Split ``source`` into units; raises :class:`SourceError` if it does not exist or is unreadable."""
-    fs, path = _url_to_fs(source)
+    fs, path = url_to_fs(source)
     path = path.rstrip("/") or "/"
     if not fs.exists(path):
         raise SourceError(f"{source}: input not found; pass an existing folder, archive, manifest or shard set")
     if fs.isdir(path):
-        if fs.exists(f"{path}/manifest.json"):
+        if fs.exists(f"{path}/{MANIFEST}"):
             return _plan_shard_set(source, fs, path)
         return _plan_tree(fs, path, files_per_unit)
     url = fs.unstrip_protocol(path)

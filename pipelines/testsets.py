@@ -13,7 +13,7 @@ from PIL import Image
 
 from dedup.index import Quarantined, TestSetIndex
 from pipelines.decode import BadImage, decode_image
-from pipelines.sources import iter_items
+from pipelines.sources import SourceError, iter_items, plan
 
 
 @dataclasses.dataclass
@@ -22,6 +22,15 @@ class Item:
     uri: str
     image: Image.Image | None
     error: tuple[str, str] | None  # (reason, detail) when the image is quarantined
+
+
+def check_sources(test_sets: dict[str, str]) -> None:
+    """Refuse a test set whose source is missing or unreadable before any work starts (``SourceError``)."""
+    for name, source in test_sets.items():
+        try:
+            plan(source)
+        except SourceError as exc:
+            raise SourceError(f"test_set {name}: {exc}") from None
 
 
 def iter_images(source: str) -> Iterator[Item]:

@@ -139,15 +139,20 @@ def ray_session():
     ray.shutdown()
 
 
-@pytest.fixture
-def mlflow_store(tmp_path, monkeypatch):
-    """A fresh sqlite MLflow store for one test."""
-    home = tmp_path / "mlruns"
-    monkeypatch.setenv("VITSCALE_HOME", str(home))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
-    monkeypatch.delenv("VITSCALE_PARENT_RUN_ID", raising=False)
-    return home
+@pytest.fixture(scope="module")
+def mlflow_store(tmp_path_factory):
+    """A throwaway sqlite MLflow store (``VITSCALE_HOME``) for one test module: the suite's only one.
+
+    Module-scoped so that module-scoped fixtures which run a stage (an ingest, say) log into
+    it too; it is undone after the module, so the setting never leaks into another one.
+    """
+    home = tmp_path_factory.mktemp("vitscale_home")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VITSCALE_HOME", str(home))
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "VITSCALE_PARENT_RUN_ID"):
+        mp.delenv(var, raising=False)
+    yield home
+    mp.undo()
 
 
 def mlflow_client():
@@ -162,6 +167,7 @@ def mlflow_client():
 SMALL_DEMO = dict(
     per_shape=10, per_photo=5, epochs=2, batch_size=32, finetune_steps=12, finetune_batch_size=32,
     lrs=[0.01, 0.1], num_workers=2, prepare_workers=2,
+    vtab_train=24, vtab_val=8, vtab_test=16, vtab_lrs=[0.01, 0.1], vtab_steps=[2, 4],
 )
 
 

@@ -18,9 +18,28 @@ import numpy as np
 import torch
 from PIL import Image
 
+from common.config import ConfigError
 from pipelines.schema import ShardSet, decode_row_image
 
 Transform = Callable[[np.ndarray, np.random.Generator], np.ndarray]
+LabelMode = Literal["single", "multi"]
+
+
+def encode_target(labels: Sequence[int], label_mode: LabelMode, num_classes: int, *, row: str) -> int | np.ndarray:
+    """A row's ``labels`` as the loss expects them: the class index (``"single"``, softmax) or a
+    multi-hot float32 vector (``"multi"``, sigmoid). Both loaders use it, so both refuse a row
+    that does not have exactly one label in single-label mode instead of keeping its first."""
+    labels = [int(x) for x in labels]
+    if label_mode == "single":
+        if len(labels) != 1:
+            raise ConfigError(
+                f"{row}: has {len(labels)} labels but label_mode='single'; "
+                "use label_mode='multi' (sigmoid loss) for multi-label corpora"
+            )
+        return labels[0]
+    y = np.zeros(num_classes, np.float32)
+    y[labels] = 1.0
+    return y
 
 
 def value_range(arr: np.ndarray) -> np.ndarray:
@@ -96,7 +115,7 @@ class ShardImageDataset(torch.utils.data.Dataset):
         shards: str | ShardSet,
         transform: Transform,
         *,
-        label_mode: Literal["single", "multi"] = "single",
+        label_mode: LabelMode = "single",
         rows: np.ndarray | None = None,
         seed: int = 0,
     ):
@@ -121,17 +140,8 @@ class ShardImageDataset(torch.utils.data.Dataset):
         # Per-item, per-epoch generator: augmentations are reproducible whatever the worker layout.
         rng = np.random.default_rng((self.seed, self.epoch, index))
         x = torch.from_numpy(self.transform(arr, rng))
-        labels = record["labels"]
-        if self.label_mode == "single":
-            if len(labels) != 1:
-                raise ValueError(
-                    f"{record['source']}: has {len(labels)} labels but label_mode='single'; "
-                    "use label_mode='multi' (sigmoid loss) for multi-label corpora"
-                )
-            return x, int(labels[0])
-        y = torch.zeros(self.num_classes)
-        y[list(labels)] = 1.0
-        return x, y
+        y = encode_target(record["labels"], self.label_mode, self.num_classes, row=record["source"])
+        return x, (y if isinstance(y, int) else torch.from_numpy(y))
 
 
 def is_held_out(key: str, fraction: float) -> bool:
@@ -158,7 +168,7 @@ class DecodeBatch:
     entropy on each pass, since a streaming pipeline does not know which epoch it is serving.
     """
 
-    def __init__(self, size: int, *, label_mode: Literal["single", "multi"], num_classes: int,
+    def __init__(self, size: int, *, label_mode: LabelMode, num_classes: int,
                  holdout: float, train: bool = True):
         self.transform = train_transform(size, uint8=True) if train else eval_transform(size, uint8=True)
         self.label_mode, self.num_classes, self.holdout, self.train = label_mode, num_classes, holdout, train
@@ -171,13 +181,7 @@ class DecodeBatch:
             if is_held_out(str(key), self.holdout) == self.train:
                 continue
             images.append(self.transform(decode_row_image(bytes(data), str(fmt), int(h), int(w)), rng))
-            labels = [int(x) for x in labels]
-            if self.label_mode == "single":
-                targets.append(labels[0])
-            else:
-                y = np.zeros(self.num_classes, np.float32)
-                y[labels] = 1.0
-                targets.append(y)
+            targets.append(encode_target(labels, self.label_mode, self.num_classes, row=f"row {key}"))
         if not images:
             return {"image": np.zeros((0, 3, 1, 1), np.uint8), "label": np.zeros((0,), np.int64)}
         return {"image": np.stack(images), "label": np.asarray(targets)}

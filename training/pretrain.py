@@ -632,16 +632,17 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
 
     from common import tracking
+    from common.fs import atomic_open, atomic_write, make_output_dir
     from common.jobenv import durable_path
     from pipelines.schema import MANIFEST, ShardSet, file_sha256
     from training.data import holdout_mask, shard_keys
     from training.ray_utils import init_ray
 
     data = Path(cfg.data).expanduser()
-    if not (data / "manifest.json").is_file():
-        raise ConfigError(f"data: {data} has no manifest.json; run jobs/prepare.py --output {data} first")
-    if cfg.fewshot_data and not (Path(cfg.fewshot_data).expanduser() / "manifest.json").is_file():
-        raise ConfigError(f"fewshot_data: {cfg.fewshot_data} has no manifest.json; prepare a labelled shard set "
+    if not (data / MANIFEST).is_file():
+        raise ConfigError(f"data: {data} has no {MANIFEST}; run jobs/prepare.py --output {data} first")
+    if cfg.fewshot_data and not (Path(cfg.fewshot_data).expanduser() / MANIFEST).is_file():
+        raise ConfigError(f"fewshot_data: {cfg.fewshot_data} has no {MANIFEST}; prepare a labelled shard set "
                           "with jobs/prepare.py and pass its directory")
     shards = ShardSet(str(data))
     cfg = dataclasses.replace(cfg, data=str(data.resolve()),
@@ -653,7 +654,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     steps_per_epoch, total_steps = plan_steps(cfg, train_rows, cfg.num_workers)
     cfg = dataclasses.replace(cfg, output=str(output))
     storage_path, storage_fs = _storage(cfg, output)
-    output.mkdir(parents=True, exist_ok=True)
+    output = make_output_dir(output)
     init_ray(cfg.ray_address)
 
     datasets = {}
@@ -695,8 +696,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         restarts = max(0, ray.get(starts.count.remote()) - 1)
         ray.kill(starts)
         model_path = output / MODEL_FILE
-        with result.checkpoint.as_directory() as d:
-            shutil.copyfile(Path(d) / MODEL_FILE, model_path)
+        with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
+                atomic_open(model_path) as dst:
+            shutil.copyfileobj(src, dst)
         metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
         steps = int(metrics.get("step", 0))
         summary = {"metrics": metrics, "model": str(model_path), "mlflow_run_id": run.info.run_id,
@@ -709,7 +711,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                                      "rows_sumsq": int(metrics.get("rows_sumsq", 0))},
                    "resumed_from_step": int(metrics.get("start_step", 0)), "nodes": int(metrics.get("nodes", 1))}
         tracking.log_metrics({"restarts": restarts, "steps": steps})
-        (output / "pretrain_summary.json").write_text(json.dumps(summary, indent=2))
+        atomic_write(output / "pretrain_summary.json", json.dumps(summary, indent=2))
         tracking.log_dict(summary, "pretrain_summary.json")
         tracking.log_artifact(model_path, "model")
         figures = _inspection_figures(model_path, cfg, output / "inspection")

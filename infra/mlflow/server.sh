@@ -68,6 +68,10 @@ case "$mode" in
       pw="$(python3 -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.argv[1], safe=""))' "$MLFLOW_DB_PASSWORD")"
       backend="postgresql://${MLFLOW_DB_USER}:${pw}@${MLFLOW_DB_HOST}:${MLFLOW_DB_PORT:-5432}/${MLFLOW_DB_NAME}"
     fi
+    # SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3, which neither the image nor the
+    # dev extra installs; name the driver they do install (psycopg2-binary). A URI that names
+    # its own driver (postgresql+psycopg://) is kept.
+    backend="$(sed -E 's#^postgres(ql)?://#postgresql+psycopg2://#' <<<"$backend")"
     dest="${MLFLOW_ARTIFACTS_DESTINATION:-}"
     [[ -n "$dest" ]] || die "remote mode needs MLFLOW_ARTIFACTS_DESTINATION (e.g. s3://my-bucket/mlflow)"
     if [[ "$dest" == s3://* && -z "${AWS_ACCESS_KEY_ID:-}" && -z "${AWS_ROLE_ARN:-}" && -z "${AWS_PROFILE:-}" ]]; then
@@ -92,10 +96,12 @@ if [[ "${MLFLOW_AUTH:-}" == "basic" ]]; then
     # The shipped basic_auth.ini keeps users in ./basic_auth.db, which a container loses on
     # restart; keep them next to the runs instead.
     conf_dir="$(mktemp -d)"
+    # MLflow reads the file with configparser, where % starts an interpolation: a quoted
+    # password (p%40ss) must be written as p%%40ss.
     cat > "$conf_dir/basic_auth.ini" <<INI
 [mlflow]
 default_permission = READ
-database_uri = $auth_db
+database_uri = ${auth_db//%/%%}
 admin_username = ${MLFLOW_AUTH_ADMIN_USERNAME:-admin}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 INI
@@ -107,7 +113,7 @@ fi
 cmd=("$mlflow_bin" server "${args[@]}")
 if ((dry_run)); then
   # The password in a postgres URI is not printed.
-  printf '%q ' "${cmd[@]}" | sed -E 's#(postgresql://[^:/]+:)[^@]+@#\1***@#g'
+  printf '%q ' "${cmd[@]}" | sed -E 's#(postgresql(\+[a-z0-9]+)?://[^:/]+:)[^@]+@#\1***@#g'
   echo
   exit 0
 fi

@@ -68,3 +68,30 @@ def test_params_and_tags_that_are_not_utf8_are_logged_as_text(mlflow_store):
         pass
     r = mlflow.MlflowClient(tracking.tracking_uri()).get_run(run.info.run_id)
     assert r.data.params["output"] == "/data/caf\\xe9" and r.data.tags["src"] == "/data/caf\\xe9"
+
+
+def test_experiments_are_marked_as_model_training(mlflow_store):
+    # Without the tag MLflow 3.17's UI opens the experiment on its GenAI overview, not the runs.
+    with tracking.start_run("prepare", experiment="fresh"):
+        pass
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    assert client.get_experiment_by_name("fresh").tags["mlflow.experimentKind"] == "custom_model_development"
+
+    # An experiment made before the tag existed (or by plain mlflow) is marked when a stage uses it.
+    old = client.create_experiment("old")
+    assert "mlflow.experimentKind" not in client.get_experiment(old).tags
+    with tracking.start_run("dedup", experiment="old") as run:
+        pass
+    assert run.info.experiment_id == old
+    assert client.get_experiment(old).tags["mlflow.experimentKind"] == "custom_model_development"
+
+    # A kind someone set on purpose stays.
+    genai = client.create_experiment("agents", tags={"mlflow.experimentKind": "genai_development"})
+    with tracking.start_run("x", experiment="agents"):
+        pass
+    assert client.get_experiment(genai).tags["mlflow.experimentKind"] == "genai_development"
+
+
+def test_ui_url_opens_the_runs_table():
+    assert tracking.ui_url("7") == "http://127.0.0.1:5000/#/experiments/7?workflowType=machine_learning"
+    assert tracking.ui_url("7", "http://h:1/").startswith("http://h:1/#/experiments/7?")

@@ -1,5 +1,3 @@
-import os
-
 import pytest
 
 from dedup.calibration import photo_pool
@@ -20,9 +18,3 @@ def photos(pool):
 def tiles(pool):
     return [img for name, img in pool if "@" in name]
 
-
-@pytest.fixture
-def mlflow_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "mlruns"))
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return tmp_path / "mlruns"

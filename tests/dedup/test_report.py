@@ -1,6 +1,8 @@
+import json
+
 from PIL import Image
 
-from dedup.report import contact_sheet, counts_table, pick_for_audit, write_report
+from dedup.report import caption, contact_sheet, counts_table, pick_for_audit, write_report
 
 
 def _m(key, d):
@@ -27,3 +29,15 @@ def test_report_writes_counts_matches_and_contact_sheet(tmp_path, photos):
     assert "| cifar10 | 5 | 2 |" in paths["counts"].read_text()
     sheet = Image.open(paths["contact_sheet"])
     assert sheet.height >= 2 * 128
+
+
+def test_captions_and_match_rows_name_both_files(tmp_path, photos):
+    m = {**_m("a", 12), "source": "/corpus/photos/2019/IMG_0042.jpg", "test_uri": "/data/pets/test/Abyssinian_1.jpg",
+         "direction": "test_in_corpus"}
+    text = caption(m, "closest", 28)
+    assert "IMG_0042.jpg" in text and "Abyssinian_1.jpg" in text and "test_in_corpus" in text
+    assert caption({**m, "source": "s3://b/" + "x" * 300 + "/end.jpg"}, "c", 28).count("end.jpg") == 1
+    paths = write_report(tmp_path, [m], test_images={"cifar10": 1}, corpus_images=10, threshold=28,
+                         load_corpus=lambda k: photos["coffee.png"], load_test=lambda t, k: None)
+    row = json.loads(paths["matches"].read_text())
+    assert row["source"] == m["source"] and row["test_uri"] == m["test_uri"]

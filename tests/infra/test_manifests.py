@@ -335,5 +335,5 @@ def test_mlflow_server_script_remote_mode_names_missing_settings():
     env.update(MLFLOW_AUTH_ADMIN_PASSWORD="a-long-admin-password", MLFLOW_FLASK_SERVER_SECRET_KEY="k", AWS_ACCESS_KEY_ID="x")
     out = subprocess.run([str(INFRA / "mlflow" / "server.sh"), "remote", "--dry-run"], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "postgresql://u:***@db:5432/mlflow" in out.stdout and "p@ss" not in out.stdout
+    assert "postgresql+psycopg2://u:***@db:5432/mlflow" in out.stdout and "p@ss" not in out.stdout
     assert "--app-name basic-auth" in out.stdout and "--host 127.0.0.1" in out.stdout

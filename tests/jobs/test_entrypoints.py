@@ -12,12 +12,24 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-JOBS = ["prepare", "pretrain", "finetune", "demo"]
+JOBS = ["prepare", "dedup", "pretrain", "finetune", "demo", "vtab", "vtab_prepare", "fewshot"]
 
 
 def run_job(name, *args, env=None, timeout=120):
     return subprocess.run([sys.executable, str(REPO / "jobs" / f"{name}.py"), *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def error_lines(out, name):
+    """The job's own error lines on stderr (libraries may log warnings at import)."""
+    return [line for line in out.stderr.splitlines() if line.startswith(f"{name}: ")]
+
+
+def assert_one_line_exit_2(out, name, message):
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr and "usage:" not in out.stderr, out.stderr
+    lines = error_lines(out, name)
+    assert len(lines) == 1 and message in lines[0], out.stderr
 
 
 @pytest.mark.parametrize("name", JOBS)
@@ -34,13 +46,78 @@ def test_help(name):
         ("pretrain", ["--data", "/no/such/shards"], "data: /no/such/shards has no manifest.json"),
         ("finetune", ["--train", "/a", "--test", "/b", "--lrs", "-1"], "lrs: every learning rate must be positive"),
         ("demo", ["--epochs", "0"], "epochs: must be positive"),
+        ("finetune", ["--train", "/a", "--test", "/b", "--microbatch", "100"],
+         "microbatch: --batch-size 512 must be a multiple of --microbatch 100"),
+        ("vtab", ["--output", "/tmp/x"], "task: give --data-root DIR or at least one --task NAME=DIR"),
+        ("vtab", ["--task", "dtd"], "task: 'dtd': expected NAME=SRC"),
+        ("vtab", ["--task", "dtd=/no/such/dtd"], "task dtd: /no/such/dtd does not exist; prepare it with: "
+                                                 "python jobs/vtab_prepare.py --source tfds --task dtd"),
+        ("vtab_prepare", ["--source", "tfds", "--task", "nope", "--output", "/tmp/x"], "task: 'nope' is not a registry task"),
+        ("fewshot", ["--pretrained", "/no/m.safetensors", "--task", "dtd=/x"], "pretrained: /no/m.safetensors does not exist"),
     ],
 )
 def test_usage_errors_exit_2_and_name_the_problem(name, args, message):
     out = run_job(name, *args)
-    assert out.returncode == 2, out.stdout + out.stderr
-    assert message in out.stderr
-    assert "Traceback" not in out.stderr
+    assert_one_line_exit_2(out, name, message)
+
+
+@pytest.mark.parametrize(
+    "name, args, message",
+    [
+        ("prepare", ["--input", "{tmp}/no_corpus", "--output", "{tmp}/out"], "input: {tmp}/no_corpus: input not found"),
+        ("dedup", ["--shards", "{tmp}/no_shards", "--test-set", "cifar10={tmp}"], "{tmp}/no_shards: no manifest.json"),
+        ("pretrain", ["--data", "{tmp}/no_shards"], "data: {tmp}/no_shards has no manifest.json"),
+        ("finetune", ["--train", "{tmp}/no_train", "--test", "{tmp}/no_test"], "train: {tmp}/no_train has no manifest.json"),
+        ("demo", ["--workdir", "{tmp}/a_file"], "workdir: {tmp}/a_file is an existing file"),
+    ],
+)
+def test_a_missing_input_is_one_line_that_names_it_exit_2(name, args, message, tmp_path):
+    (tmp_path / "a_file").write_text("not a folder")
+    out = run_job(name, *[a.format(tmp=tmp_path) for a in args])
+    assert_one_line_exit_2(out, name, message.format(tmp=tmp_path))
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("name", JOBS)
+def test_an_unknown_flag_is_one_line_with_a_pointer_to_help(name):
+    out = run_job(name, "--no-such-flag", "1")
+    assert_one_line_exit_2(out, name, "unrecognized arguments: --no-such-flag 1")
+    assert f"run {name} --help" in error_lines(out, name)[0]
+
+
+@pytest.mark.parametrize("lrs", [["--lrs", "-0.1,0.01"], ["--lrs=-0.1,0.01"]])
+def test_a_negative_value_reaches_its_fields_check(lrs):
+    # argparse alone reads "-0.1,0.01" as a flag and says "expected one argument".
+    out = run_job("finetune", "--train", "/a", "--test", "/b", *lrs)
+    assert_one_line_exit_2(out, "finetune", "lrs: every learning rate must be positive, got [-0.1, 0.01]")
+
+
+@pytest.fixture(scope="module")
+def tiny_shards(tmp_path_factory, mlflow_store):
+    """A real shard set of 16 photo crops in two classes: enough for pretrain's and finetune's checks."""
+    from common.photos import photo
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    root = tmp_path_factory.mktemp("tiny")
+    for cls, name in (("cat", "chelsea.png"), ("coffee", "coffee.png")):
+        (root / "src" / cls).mkdir(parents=True)
+        img = photo(name)
+        for i in range(8):
+            img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(root / "src" / cls / f"{i}.png")
+    run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=32, workers=1))
+    return root / "shards"
+
+
+@pytest.mark.parametrize("name", ["pretrain", "finetune"])
+def test_an_output_that_is_a_file_is_one_line_exit_2(name, tiny_shards, tmp_path):
+    output = tmp_path / "model_out"
+    output.write_text("an existing file")
+    data = ["--data", str(tiny_shards), "--batch-size", "4", "--num-workers", "1"] if name == "pretrain" else \
+        ["--train", str(tiny_shards), "--test", str(tiny_shards)]
+    out = run_job(name, *data, "--output", str(output))
+    assert_one_line_exit_2(out, name, f"output: {output} is an existing file; give a directory")
+    assert output.read_text() == "an existing file"
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,41 +12,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def mlflow_home(tmp_path_factory):
-    """Runs log into a throwaway sqlite store; module-scoped so the setting never leaks into other test dirs."""
-    home = tmp_path_factory.mktemp("vitscale_home")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(home))
-    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
-    mp.delenv("MLFLOW_RUN_ID", raising=False)
-    yield home
-    mp.undo()
-
-
-def _skimage(name: str) -> Image.Image:
-    import skimage
-
-    return Image.open(os.path.join(os.path.dirname(skimage.__file__), "data", name))
+def _pipeline_runs_log_to_a_throwaway_store(mlflow_store):
+    """Every pipelines test runs stages that log: all of them go to the suite's ``mlflow_store``."""
+    return mlflow_store
 
 
 @pytest.fixture(scope="session")
 def photos() -> dict[str, Image.Image]:
-    """Real photographs, shrunk so that pipeline tests stay fast."""
-    from sklearn.datasets import load_sample_images
+    """Real photographs by stem ("chelsea"), shrunk so that pipeline tests stay fast; camera stays mode L."""
+    from common.photos import SKLEARN, photo
 
-    out = {}
-    for name in ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "retina.jpg", "hubble_deep_field.jpg"):
-        img = _skimage(name).convert("RGB")
-        img.thumbnail((160, 160))
-        out[name.split(".")[0]] = img
-    cam = _skimage("camera.png")
-    cam.thumbnail((160, 160))
-    out["camera"] = cam  # mode L
-    sample = load_sample_images()
-    for fname, arr in zip(sample.filenames, sample.images):
-        img = Image.fromarray(arr)
-        img.thumbnail((160, 160))
-        out[Path(fname).stem] = img
+    names = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "retina.jpg", "hubble_deep_field.jpg")
+    out = {Path(n).stem: photo(n, max_side=160) for n in names}
+    out["camera"] = photo("camera.png", mode=None, max_side=160)
+    out.update({Path(n).stem: photo(n, max_side=160) for n in SKLEARN})
     return out
 
 

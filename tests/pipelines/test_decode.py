@@ -101,9 +101,9 @@ def test_gif_takes_the_first_frame():
 
 
 def test_multipage_tiff_takes_the_first_page():
-    import skimage
+    from common.photos import skimage_path
 
-    data = open(os.path.join(os.path.dirname(skimage.__file__), "data", "multipage.tif"), "rb").read()
+    data = skimage_path("multipage.tif").read_bytes()
     first = Image.open(io.BytesIO(data)).convert("RGB")
     np.testing.assert_array_equal(np.asarray(decode_image(data, uri="m.tif")), np.asarray(first))
 
@@ -211,13 +211,10 @@ def _pillow_only(monkeypatch, data, **kw):
 @pytest.fixture(scope="module")
 def real_jpegs():
     """skimage's own JPEG files (camera photographs, as shipped) and sklearn's photos re-encoded."""
-    import skimage
-    from sklearn.datasets import load_sample_images
+    from common.photos import SKLEARN, photo, skimage_path
 
-    d = os.path.join(os.path.dirname(skimage.__file__), "data")
-    files = {n: open(os.path.join(d, n), "rb").read() for n in ("rocket.jpg", "retina.jpg", "hubble_deep_field.jpg")}
-    for fname, arr in zip(load_sample_images().filenames, load_sample_images().images):
-        files[os.path.basename(fname)] = _enc(Image.fromarray(arr), quality=92)
+    files = {n: skimage_path(n).read_bytes() for n in ("rocket.jpg", "retina.jpg", "hubble_deep_field.jpg")}
+    files.update({n: _enc(photo(n), quality=92) for n in SKLEARN})
     return files
 
 

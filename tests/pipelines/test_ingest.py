@@ -357,6 +357,7 @@ def test_planted_copies_of_test_images_are_dropped(tmp_path, photos, prepare):
     assert dups["astronaut_copy.png"]["test_set"] == "setA" and dups["astronaut_copy.png"]["exact"] is True
     assert dups["coffee_q70.jpg"]["test_set"] == "setB"
     assert all({"key", "uri", "test_set", "test_key", "distance"} <= set(d) for d in dups.values())
+    assert Path(dups["coffee_q70.jpg"]["test_uri"]).name == "coffee.png"  # the test file, by its uri
     assert {Path(r["source"]).parent.name for r in _rows(out)} == {"y"}
 
 

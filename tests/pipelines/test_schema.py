@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from pipelines.schema import (
-    SCHEMA, SCHEMA_VERSION, ShardSet, ShardSetError, decode_row_image, make_key, text_uri,
+    MANIFEST, SCHEMA, SCHEMA_VERSION, ShardSet, ShardSetError, decode_row_image, make_key, text_uri,
 )
 
 
@@ -65,6 +65,43 @@ def test_verify_names_the_shard_and_both_checksums(shard_set, tmp_path):
     assert "re-run prepare" in msg
 
 
+@pytest.mark.parametrize("bad", ["../x", "../../etc/passwd", "sub/../../x", "/etc/passwd", "..\\x",
+                                 "C:\\x.arrow", "file:///etc/passwd", "", None])
+def test_a_manifest_cannot_name_a_shard_outside_its_directory(shard_set, tmp_path, bad):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(shard_set, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["shards"][0]["path"] = bad
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardSetError) as e:
+        ShardSet(copy)
+    assert f"shard path {bad!r} is not a relative path inside the shard set" in str(e.value)
+    assert str(copy) in str(e.value)
+
+
+def test_sha256_is_checked_on_read_when_asked(shard_set, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(shard_set, copy)
+    ss = ShardSet(copy, verify=True)
+    assert len(list(ss.iter_batches())) >= len(ss.shards)  # intact shards read as usual
+    second = ss.shards[1]
+    path = copy / second["path"]
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    ShardSet(copy).open_shard(0)  # not asked: no hashing, and an intact shard reads fine
+    ss = ShardSet(copy, verify=True)
+    ss.open_shard(0)
+    with pytest.raises(ShardSetError, match=rf"^{second['path']}: sha256 mismatch .*re-run prepare"):
+        ss.open_shard(1)
+    with pytest.raises(ShardSetError, match="sha256 mismatch"):
+        list(ShardSet(copy, verify=True).iter_batches())
+
+
 def test_missing_manifest_is_a_clear_error(tmp_path):
     with pytest.raises(ShardSetError, match="no manifest.json"):
         ShardSet(tmp_path)
@@ -75,9 +112,9 @@ def test_newer_schema_version_is_refused(shard_set, tmp_path):
 
     copy = tmp_path / "copy"
     shutil.copytree(shard_set, copy)
-    m = json.loads((copy / "manifest.json").read_text())
+    m = json.loads((copy / MANIFEST).read_text())
     m["schema_version"] = SCHEMA_VERSION + 1
-    (copy / "manifest.json").write_text(json.dumps(m))
+    (copy / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(ShardSetError, match="schema_version"):
         ShardSet(copy)
 

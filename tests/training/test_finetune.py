@@ -1,10 +1,21 @@
-"""Ray Tune fine-tuning: input checks that name the problem, and the selected model."""
+"""Ray Tune fine-tuning: input checks, the select-then-retrain protocol, accumulation, Polyak, resuming."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
+import torch
 
 import vitcore
 from common.config import ConfigError
-from training.finetune import FinetuneConfig, run_finetune
+from training.finetune import FinetuneConfig, Polyak, accumulated_step, run_finetune
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_missing_pretrained_model_is_named(small_demo, tmp_path):
@@ -41,9 +52,142 @@ def test_a_split_whose_every_image_was_quarantined_is_refused_before_ray(tmp_pat
     assert not (tmp_path / "o").exists()
 
 
-def test_selected_model_is_the_best_on_val_and_has_a_fresh_head(small_demo):
+def test_dev_fractions_follow_the_paper_and_are_configurable():
+    def frac(**kw):
+        return FinetuneConfig(train=kw.pop("train", "/d/task-train"), test="/t", **kw).dev_fraction()
+
+    assert frac(train="/d/oxford_pets/train") == 0.1
+    assert frac(train="/d/flowers102-train") == 0.1
+    assert frac(train="/d/cifar100_train") == 0.02
+    assert frac(dataset="imagenet") == 0.01
+    assert frac() == 0.1  # the default for other datasets
+    assert frac(dataset="imagenet", dev_fractions={"imagenet": 0.05}) == 0.05
+    assert frac(dataset="imagenet", val_fraction=0.2) == 0.2
+    with pytest.raises(ConfigError, match="microbatch: --batch-size 512 must be a multiple of --microbatch 100"):
+        FinetuneConfig(train="/a", test="/b", microbatch=100)
+
+
+def _tiny_model(seed=0):
+    torch.manual_seed(seed)
+    model = vitcore.create_model("Ti/8", num_classes=5, img_size=16, depth=2)
+    for p in model.head.parameters():  # a zero head has zero gradients below it; make the test see them
+        torch.nn.init.normal_(p, std=0.1)
+    return model.double()
+
+
+def test_accumulated_step_equals_the_large_batch_step():
+    x = torch.randn(8, 3, 16, 16, dtype=torch.float64)
+    y = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2])
+    big, acc = _tiny_model(), _tiny_model()
+    cpu = torch.device("cpu")
+    for model, chunks in ((big, [(x, y)]), (acc, [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)])):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(2):  # a second step also checks that gradients do not leak across steps
+            loss = accumulated_step(model, opt, chunks, 8, grad_clip=1.0, device=cpu, bf16=False)
+    for (name, p), q in zip(big.named_parameters(), acc.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-10, msg=name)
+    assert loss > 0
+
+
+def test_polyak_average_is_what_the_run_evaluates():
+    model = torch.nn.Linear(2, 1, bias=False)
+    with torch.no_grad():
+        model.weight.zero_()
+    avg = Polyak(model, 0.5)
+    values = [1.0, 2.0, 3.0]
+    expected = 0.0
+    for n, v in enumerate(values):
+        with torch.no_grad():
+            model.weight.fill_(v)
+        avg.update(model)
+        d = min(0.5, (1 + n) / (10 + n))
+        expected = d * expected + (1 - d) * v
+    assert avg.model.weight.flatten().tolist() == pytest.approx([expected, expected])
+    assert model.weight[0, 0].item() == 3.0  # the trained model itself is left alone
+
+
+def test_selected_model_is_the_best_on_val_and_retrained_on_all_of_train(small_demo):
+    from pipelines.schema import ShardSet
+
     fine = small_demo["summary"]["finetune"]
     best = max(fine["trials"], key=lambda r: r["val_accuracy"])
     assert fine["selected_val_accuracy"] == best["val_accuracy"]
+    assert fine["selected_lr"] == best["lr"]
+    train = ShardSet(small_demo["work"] / "shards" / "digits-train")
+    assert fine["final_train_rows"] == len(train)  # the final model saw the entire train split
+    assert 0.0 <= fine["test_accuracy"] <= 1.0
     model = vitcore.load_checkpoint(fine["model"])
     assert model.config.num_classes == 10 and model.config.representation_size is None
+
+
+def _runs(home: Path):
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    exps = [e.experiment_id for e in client.search_experiments()]
+    return client.search_runs(exps) if exps else []
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the driver's whole session: the driver and the Ray processes it started."""
+    victims = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.getsid(int(entry)) == proc.pid:
+                    victims.append(int(entry))
+            except OSError:
+                pass
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    proc.wait(timeout=60)
+
+
+def test_killed_sweep_resumes_without_rerunning_finished_trials(small_demo, tmp_path):
+    shards = small_demo["work"] / "shards"
+    home = tmp_path / "mlruns"
+    env = dict(os.environ, VITSCALE_HOME=str(home), PYTHONPATH=str(REPO))
+    for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
+        env.pop(k, None)
+    out = tmp_path / "out"
+    lrs = [0.01, 0.03, 0.1]
+    cmd = [sys.executable, str(REPO / "jobs" / "finetune.py"), "--train", str(shards / "digits-train"),
+           "--test", str(shards / "digits-test"), "--pretrained", small_demo["summary"]["pretrain"]["model"],
+           "--output", str(out), "--lrs", ",".join(map(str, lrs)), "--steps", "40", "--batch-size", "16",
+           "--microbatch", "8", "--warmup-steps", "2", "--max-concurrent", "1", "--flip", "false"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        done = []
+        while time.time() < deadline and proc.poll() is None:
+            # A trial's final report carries its model as a checkpoint (MLflow's store is left
+            # alone meanwhile: a second client could race the driver creating its tables).
+            done = list((out / "ray" / "select").glob("*/checkpoint_*"))
+            if done:
+                break
+            time.sleep(0.5)
+        assert done, "no selection trial finished before the deadline"
+        time.sleep(3)  # let Tune record the trial as terminated
+    finally:
+        _kill_session(proc)
+    finished_before = {float(r.data.params["lr"]) for r in _runs(home)
+                       if r.data.tags.get("vitscale.stage") == "finetune-select" and r.info.status == "FINISHED"}
+    assert len(finished_before) < len(lrs), "the sweep ended before it could be interrupted"
+
+    rerun = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    summary = json.loads((out / "finetune_summary.json").read_text())
+    runs = _runs(home)
+    select = [r for r in runs if r.data.tags.get("vitscale.stage") == "finetune-select"]
+    for lr in finished_before:  # finished trials were kept, not trained again
+        assert sum(float(r.data.params["lr"]) == lr for r in select) == 1
+    assert {float(r.data.params["lr"]) for r in select if r.info.status == "FINISHED"} == set(lrs)
+    parents = {r.data.tags["mlflow.parentRunId"] for r in select}
+    assert parents == {summary["mlflow_run_id"]}  # the resumed sweep kept its MLflow run
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    assert [t["lr"] for t in summary["trials"]] == lrs
+    assert summary["selected_val_accuracy"] == max(t["val_accuracy"] for t in summary["trials"])

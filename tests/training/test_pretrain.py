@@ -10,17 +10,6 @@ import vitcore
 from common import tracking
 from common.config import ConfigError
 from training.pretrain import PretrainConfig, run_pretrain
-from training.loop import effective_warmup, lr_at
-
-
-def test_schedule_warms_up_then_decays():
-    lrs = [lr_at(s, total=100, warmup=10, peak=1.0, schedule="linear") for s in range(100)]
-    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
-    assert lrs[10] == pytest.approx(1.0) and lrs[-1] < 0.02
-    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
-    cos = [lr_at(s, total=100, warmup=0, peak=1.0, schedule="cosine") for s in (0, 50, 99)]
-    assert cos[0] == pytest.approx(1.0) and cos[1] == pytest.approx(0.5, abs=0.02) and cos[2] < 0.01
-    assert effective_warmup(10_000, 200) == 20
 
 
 def test_missing_shards_is_a_clear_error(tmp_path):
@@ -76,7 +65,8 @@ def test_ray_data_loader_streams_the_same_split(small_demo, tmp_path):
     n_train = int((~holdout_mask(shard_keys(ShardSet(str(shards))), 0.2)).sum())
     # Both workers took the same number of full batches from an equal split of the training rows.
     assert summary["metrics"]["step"] == n_train // 2 // 8
-    assert 0.0 <= summary["metrics"]["holdout_accuracy"] <= 1.0
+    # The held-out rows were evaluated (what a model learns is tests/training/test_loop.py's to check).
+    assert np.isfinite(summary["metrics"]["holdout_loss"]) and "holdout_accuracy" in summary["metrics"]
 
 
 def test_ray_data_loader_refuses_a_layout_that_would_stall(small_demo, tmp_path):
@@ -87,14 +77,15 @@ def test_ray_data_loader_refuses_a_layout_that_would_stall(small_demo, tmp_path)
         run_pretrain(cfg)
 
 
-def test_holdout_split_depends_on_keys_only():
+def test_holdout_split_is_pinned_nested_and_near_its_fraction():
     from training.data import holdout_mask
 
     keys = [f"{i:020x}" for i in range(5000)]
-    mask = holdout_mask(keys, 0.1)
-    assert 400 < mask.sum() < 600
-    assert np.array_equal(mask, holdout_mask(list(keys), 0.1))
-    assert np.array_equal(mask[::-1], holdout_mask(keys[::-1], 0.1))
+    m10, m20 = holdout_mask(keys, 0.1), holdout_mask(keys, 0.2)
+    assert 400 < m10.sum() < 600 and 900 < m20.sum() < 1100
+    assert not (m10 & ~m20).any()  # a larger hold-out only adds rows to it
+    # Pinned: a resumed run and both loaders must hold out these rows, whatever the order or layout.
+    assert np.flatnonzero(m10[:100]).tolist() == [1, 7, 9, 22, 25, 31, 53, 63, 66, 79, 84, 87, 90, 99]
 
 
 def test_resuming_under_a_different_recipe_is_refused():

@@ -1,0 +1,63 @@
+"""common.cli.run_job and common.config.parse_args: what every entrypoint prints and returns."""
+import dataclasses
+
+import pytest
+
+from common.cli import run_job
+from common.config import InputError, check
+
+
+@dataclasses.dataclass
+class Cfg:
+    """A job with a list of rates."""
+
+    lrs: list[float] = dataclasses.field(default_factory=lambda: [0.1], metadata={"help": "rates"})
+    name: str = dataclasses.field(default="x", metadata={"help": "a name"})
+
+    def __post_init__(self):
+        check(all(lr > 0 for lr in self.lrs), "lrs", f"every rate must be positive, got {self.lrs}")
+
+
+def test_an_input_error_is_one_line_and_exit_2(capsys):
+    def runner(cfg):
+        raise InputError(f"name: {cfg.name} not found; pass an existing folder")
+
+    assert run_job(Cfg, runner, ["--name", "/no/such"], prog="job") == 2
+    assert capsys.readouterr().err == "job: error: name: /no/such not found; pass an existing folder\n"
+
+
+def test_a_jobs_own_failure_is_one_line_and_exit_1_and_a_bug_keeps_its_traceback(capsys):
+    class CountsDoNotReconcile(RuntimeError):
+        pass
+
+    def runner(cfg):
+        raise CountsDoNotReconcile("3 inputs went missing")
+
+    assert run_job(Cfg, runner, [], prog="job", failures=(CountsDoNotReconcile,)) == 1
+    assert capsys.readouterr().err == "job: 3 inputs went missing\n"
+    with pytest.raises(CountsDoNotReconcile):
+        run_job(Cfg, runner, [], prog="job")
+
+
+def test_the_result_goes_to_the_report(capsys):
+    seen = []
+    assert run_job(Cfg, lambda cfg: {"lrs": cfg.lrs}, ["--lrs", "0.1,0.2"], prog="job", report=seen.append) == 0
+    assert seen == [{"lrs": [0.1, 0.2]}]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bogus"], "unrecognized arguments: --bogus"),
+    (["--lrs"], "argument --lrs: expected one argument"),
+    (["--lrs", "-0.1,0.2"], "lrs: every rate must be positive, got [-0.1, 0.2]"),
+    (["--lrs=-0.1"], "lrs: every rate must be positive, got [-0.1]"),
+    (["--name", "-x-"], None),  # a value that starts with '-' is a value
+])
+def test_usage_errors_are_one_line_with_a_pointer_to_help(argv, message, capsys):
+    if message is None:
+        assert run_job(Cfg, lambda cfg: None, argv, prog="job") == 0
+        return
+    with pytest.raises(SystemExit) as exc:
+        run_job(Cfg, lambda cfg: None, argv, prog="job")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "run job --help for every option" in err

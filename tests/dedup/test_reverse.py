@@ -1,0 +1,171 @@
+"""Both directions of the match rule: test images cut from corpus photos (issue 15), and the files named."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+
+from dedup import signatures as sig
+from dedup.index import FORWARD, REVERSE, TestSetIndex
+from dedup.transforms import REVERSE_TRANSFORMS, apply
+
+PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "motorcycle_left.png"]
+UNRELATED = ["retina.jpg", "camera.png", "flower.jpg", "hubble_deep_field.jpg", "coins.png"]
+
+
+def _codes(img):
+    return np.frombuffer(sig.corpus_codes(img), dtype=np.uint8).reshape(sig.CORPUS_CODES, sig.SIGNATURE_BYTES)
+
+
+def test_corpus_codes_start_with_the_whole_image_code(photos):
+    img = photos["astronaut.png"]
+    codes = sig.corpus_codes(img)
+    assert len(codes) == sig.CORPUS_SIGNATURE_BYTES and codes[: sig.SIGNATURE_BYTES] == sig.compute(img)
+    assert sig.split_codes(codes) == [codes[:16], codes[16:]]
+    with pytest.raises(ValueError, match="corpus_codes"):
+        sig.split_codes(b"x" * 17)
+
+
+@pytest.mark.parametrize("transform", sorted(REVERSE_TRANSFORMS))
+def test_corpus_photos_whose_crop_became_a_test_image_are_found(photos, transform):
+    index = TestSetIndex()
+    for i, name in enumerate(PHOTOS):
+        index.add("bench", name, apply(transform, photos[name], seed=i), source=f"/test/{name}")
+    for name in PHOTOS:
+        matches = index.match(sig.content_hash(photos[name]), sig.corpus_codes(photos[name]))
+        assert matches and matches[0].key == name, (transform, name, matches)
+        assert matches[0].uri == f"/test/{name}"
+
+
+def test_three_percent_crops_the_issue_planted_are_found_in_reverse(photos):
+    # issue 15: 3%-per-side crops, resized to 256 px, JPEG q75, were missed at distances 28..42
+    from dedup.transforms import _reverse
+
+    index = TestSetIndex()
+    cut = _reverse(0.03, 0.03, 0.03, 0.03, 75)
+    import random
+
+    for name in PHOTOS[:3]:
+        index.add("bench", name, cut(photos[name], random.Random(0)))
+    for name in PHOTOS[:3]:
+        (m,) = index.match("", sig.corpus_codes(photos[name]))
+        assert m.key == name and m.direction == REVERSE
+
+
+def test_unrelated_photos_are_not_found_in_either_direction(photos, tiles):
+    index = TestSetIndex()
+    for i, name in enumerate(PHOTOS):
+        for transform in sorted(REVERSE_TRANSFORMS):
+            index.add("bench", f"{name}/{transform}", apply(transform, photos[name], seed=i))
+    queries = np.stack([_codes(photos[n]) for n in UNRELATED] + [_codes(t) for t in tiles[::6]])
+    item, rec, dist, code = index.search_corpus(queries)
+    assert item.size == 0, [(int(i), index.key[r], int(d)) for i, r, d in zip(item, rec, dist)]
+
+
+def test_search_corpus_is_exact_for_the_rule_in_both_directions():
+    rng = np.random.default_rng(1)
+    index = TestSetIndex(threshold=32)
+    codes = rng.integers(0, 256, (2000, len(sig.CROP_VARIANTS), sig.SIGNATURE_BYTES), dtype=np.uint8)
+    for i in range(len(codes)):
+        index.add("rand", f"k{i}", content_hash=f"h{i}", codes=codes[i])
+    queries = rng.integers(0, 256, (200, sig.CORPUS_CODES, sig.SIGNATURE_BYTES), dtype=np.uint8)
+    for r in range(100):  # near copies of a variant, planted in either code, 0..40 bits away
+        slot, target, variant = r % sig.CORPUS_CODES, rng.integers(len(codes)), rng.integers(codes.shape[1])
+        bits = np.unpackbits(codes[target, variant])
+        bits[rng.choice(sig.CODE_BITS, rng.integers(0, 41), replace=False)] ^= 1
+        queries[r, slot] = np.packbits(bits)
+    fast = index.search_corpus(queries)
+    slow = index.search_corpus(queries, brute=True)
+    assert len(fast[0]) > 30
+    assert all(np.array_equal(a, b) for a, b in zip(fast, slow))
+    assert set(fast[3].tolist()) == {0, 1}
+
+
+def test_forward_matches_report_their_direction(photos):
+    index = TestSetIndex()
+    index.add("bench", "coffee", photos["coffee.png"], source="/t/coffee.png")
+    copy = apply("crop_10_left", photos["coffee.png"])
+    (m,) = index.match(sig.content_hash(copy), sig.corpus_codes(copy))
+    assert m.direction == FORWARD and m.uri == "/t/coffee.png"
+    # a bare whole-image signature (shards before version 3) still matches forward
+    assert index.match("", sig.compute(copy))[0].key == "coffee"
+
+
+# -- the job: a shard set built under the previous rule ---------------------------------------
+
+@pytest.fixture(scope="module")
+def old_shards(tmp_path_factory, photos):
+    """An ingest output as signature version 2 left it: whole-image phash only, state under the old rule."""
+    root = tmp_path_factory.mktemp("dedup_rev")
+    (root / "corpus").mkdir()
+    (root / "tests").mkdir()
+    for name in ("rocket.jpg", "china.jpg", "retina.jpg"):
+        photos[name].save(root / "corpus" / Path(name).with_suffix(".png").name)
+    apply("reverse_crop_5_all_q50", photos["rocket.jpg"]).save(root / "tests" / "rocket_cut.png")
+    apply("reverse_crop_2_all_q75", photos["coffee.png"]).save(root / "tests" / "coffee_cut.png")
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VITSCALE_HOME", str(root / "mlruns"))
+    run_prepare(PrepareConfig(input=[str(root / "corpus")], output=str(root / "shards"), size=160, workers=1))
+    mp.undo()
+    shards = root / "shards"
+    manifest = json.loads((shards / "manifest.json").read_text())
+    for entry in manifest["shards"]:  # keep the whole-image code only, as version 2 wrote it
+        path = shards / entry["path"]
+        table = ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()  # not mapped: rewritten below
+        i = table.schema.get_field_index("phash")
+        old = pa.array([p[: sig.SIGNATURE_BYTES] for p in table.column(i).to_pylist()], table.schema.field(i).type)
+        table = table.set_column(i, table.schema.field(i), old)
+        with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+    from pipelines.testsets import build_test_set_index
+
+    fingerprint = build_test_set_index({"cuts": str(root / "tests")}).fingerprint("cuts")
+    state = {"format": 1, "signature_version": 2, "threshold": 28, "rule": "0123456789abcdef",
+             "shards": {e["sha256"]: {"path": e["path"], "test_sets": {"cuts": fingerprint}}
+                        for e in manifest["shards"]}}
+    (shards / "dedup_state.json").write_text(json.dumps(state))
+    return root
+
+
+def test_a_shard_set_checked_under_the_previous_rule_is_rechecked_once(old_shards, monkeypatch):
+    from dedup.job import DedupConfig, run
+
+    monkeypatch.setenv("VITSCALE_HOME", str(old_shards / "mlruns"))
+    shards = old_shards / "shards"
+    cfg = DedupConfig(shards=str(shards), test_set=[f"cuts={old_shards / 'tests'}"])
+    first = run(cfg)
+    assert first["rule_changed"] == "signature version 2 -> 3"
+    assert "match rule changed" in first["message"] and first["shards_checked"] == first["shards_total"]
+    (row,) = [json.loads(line) for line in (shards / "removed.jsonl").read_text().splitlines()]
+    assert Path(row["source"]).name == "rocket.png" and Path(row["test_uri"]).name == "rocket_cut.png"
+    assert row["direction"] == REVERSE and row["test_set"] == "cuts" and row["key"] and row["matched_key"]
+    matches = (shards / "dedup_report" / "matches.jsonl").read_text()
+    assert "rocket_cut.png" in matches and "rocket.png" in matches
+
+    second = run(cfg)
+    assert second["nothing_new"] and second["rule_changed"] is None and "nothing new" in second["message"]
+    assert len((shards / "removed.jsonl").read_text().splitlines()) == 1
+
+
+def test_low_texture_images_match_by_content_hash_only(photos):
+    from dedup.calibration import low_texture_pool
+
+    low = [img for _, img in low_texture_pool(n=8)]
+    assert all(sig.texture_margin(img) < sig.LOW_TEXTURE_MARGIN for img in low)
+    assert sig.texture_margin(photos["coins.png"]) > sig.LOW_TEXTURE_MARGIN
+    assert sig.corpus_codes(low[1]) == b"" and len(sig.variant_codes(low[1])) == 0
+    index = TestSetIndex()
+    for i, img in enumerate(low):
+        index.add("low", str(i), img)
+    # another gradient or flat colour, and a re-encoded copy, are not matched; an identical copy is
+    for img in low_texture_pool(n=8, seed=1):
+        assert index.match(sig.content_hash(img[1]), sig.corpus_codes(img[1])) == []
+    q30 = apply("jpeg_q30", low[1])
+    assert index.match(sig.content_hash(q30), sig.corpus_codes(q30)) == []
+    (m,) = index.match(sig.content_hash(low[1].copy()), sig.corpus_codes(low[1]))
+    assert m.exact and m.key == "1"

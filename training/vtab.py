@@ -1,0 +1,335 @@
+"""VTAB-1k with Ray Tune: the ViT paper's protocol (Appendix B.1.1, Table 2, Figure 2).
+
+"We use the same hyperparameter setting for all tasks [...] chosen by running a small sweep over
+two learning rates and two schedules, and selecting the setting with the highest VTAB score on
+the 200-example validation sets", at 384 px for every task. So:
+
+1. ``select``: one Tune trial per task × (lr, steps), fine-tuned on train800, scored on val200;
+2. the setting with the highest *mean* val200 accuracy over the tasks is chosen (test is not read);
+3. ``final``: each task fine-tuned again on train800val200 with that setting, scored on test.
+
+Every trial starts from the pre-trained model with its position embeddings interpolated to
+``img_size`` and one zero-initialised linear head, and trains with the fine-tuning recipe of
+:mod:`training.finetune` (SGD momentum 0.9, batch 512 via accumulation, clip 1, warm-up + cosine),
+with each task's flip/crop exclusions. Trials run concurrently as Ray's resources allow, are
+retried on failure, and a re-run with the same ``--output`` resumes both sweeps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import field
+from pathlib import Path
+from typing import Any
+
+from common.config import ConfigError, InputError, check, parse_named
+from training.vtab_tasks import GROUPS, SPLITS, TASKS, Task, custom_task
+
+RESULTS_FILE = "vtab_results.json"
+CHART_FILE = "vtab_results.png"
+
+
+class MissingTaskError(InputError):
+    """A task folder or one of its splits is absent; the message names the converter command."""
+
+
+@dataclasses.dataclass
+class VtabConfig:
+    """VTAB-1k: sweep 2 learning rates x 2 schedules on train800 with Ray Tune, pick by mean val200, test."""
+
+    data_root: str | None = field(default=None, metadata={"help": "folder holding one folder per registry task "
+                                                                  "(DIR/<task>/{train800,val200,test}); all 19 are expected"})
+    task: list[str] = field(default_factory=list, metadata={"help": "NAME=DIR, repeatable: a registry task, or "
+                                                                    "GROUP/NAME (natural, specialized, structured) of your own"})
+    no_flip: list[str] = field(default_factory=list, metadata={"help": "tasks of your own where a flip changes the label"})
+    no_crop: list[str] = field(default_factory=list, metadata={"help": "tasks of your own where a crop changes the label"})
+    pretrained: str | None = field(default=None, metadata={"help": "model.safetensors written by pretrain; none trains from scratch"})
+    variant: str = field(default="Ti/16", metadata={"help": "vitcore variant when training from scratch"})
+    output: str = field(default="vtab_output", metadata={"help": "results and Tune state; re-running with the same one resumes"})
+    img_size: int = field(default=384, metadata={"help": "fine-tuning resolution for every task (the paper: 384)"})
+    lrs: list[float] = field(default_factory=lambda: [0.001, 0.01], metadata={"help": "learning rates swept"})
+    steps: list[int] = field(default_factory=lambda: [500, 2500], metadata={"help": "schedule lengths swept (SGD steps)"})
+    batch_size: int = field(default=512, metadata={"help": "optimiser batch"})
+    microbatch: int = field(default=0, metadata={"help": "images per forward/backward (0: the whole batch)"})
+    warmup_steps: int = field(default=500, metadata={"help": "linear warm-up steps; capped at 10% of the steps"})
+    grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
+    crop_min_area: float = field(default=0.05, metadata={"help": "Inception-crop minimum area where crops are allowed"})
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    cpus_per_trial: int = field(default=1, metadata={"help": "CPUs per trial (and torch threads)"})
+    gpus_per_trial: float = field(default=0, metadata={"help": "GPUs per trial; fractions share one GPU"})
+    max_concurrent: int = field(default=0, metadata={"help": "trials at once (0: as resources allow)"})
+    max_failures: int = field(default=2, metadata={"help": "retries of a failed trial"})
+    bf16: bool = field(default=True, metadata={"help": "bf16 autocast on GPU (ignored on CPU)"})
+    seed: int = field(default=0, metadata={"help": "seed for init, shuffling and augmentation"})
+    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
+    parent_run_id: str | None = field(default=None, metadata={"help": "MLflow run to nest under"})
+
+    def __post_init__(self) -> None:
+        from training.finetune import check_batching
+
+        check(bool(self.data_root or self.task), "task", "give --data-root DIR or at least one --task NAME=DIR")
+        check(len(self.lrs) > 0 and all(lr > 0 for lr in self.lrs), "lrs", f"give positive learning rates, got {self.lrs}")
+        check(len(self.steps) > 0 and all(s > 0 for s in self.steps), "steps", f"give positive step counts, got {self.steps}")
+        for name in ("img_size", "batch_size", "cpus_per_trial"):
+            check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
+        check_batching(self.batch_size, self.microbatch)
+        check(0 < self.crop_min_area <= 1, "crop_min_area", f"must be in (0, 1], got {self.crop_min_area}")
+        check(self.gpus_per_trial >= 0, "gpus_per_trial", f"must be >= 0, got {self.gpus_per_trial}")
+        parse_named(self.task, "task", example="dtd=/data/vtab/dtd or natural/mytask=/data/mytask")
+
+    def settings(self) -> list[dict]:
+        return [{"lr": lr, "steps": s} for lr in self.lrs for s in self.steps]
+
+
+def resolve_tasks(cfg: VtabConfig) -> dict[str, dict]:
+    """Every task of the run: ``{name: {"dir", "group", "num_classes", "flip", "crop", "registry"}}``.
+
+    Checked before any trial: each task folder must hold the three splits with one label map.
+    """
+    from pipelines.schema import ShardSet
+
+    found: dict[str, tuple[Task, Path, bool]] = {}
+    if cfg.data_root:
+        root = Path(cfg.data_root).expanduser().resolve()
+        for name, task in TASKS.items():
+            found[name] = (task, root / name, True)
+    for spec, value in parse_named(cfg.task, "task", example="dtd=/data/vtab/dtd").items():
+        if spec in TASKS:
+            found[spec] = (TASKS[spec], Path(value).expanduser().resolve(), True)
+            continue
+        group, sep, name = spec.partition("/")
+        check(bool(sep) and group in GROUPS and bool(name), "task",
+              f"{spec!r}: NAME must be a registry task ({', '.join(TASKS)}) or GROUP/NAME with GROUP one of "
+              f"{', '.join(GROUPS)}")
+        check(name not in found, "task", f"{spec!r}: {name!r} is already a task of this run")
+        found[name] = (custom_task(group, name, flip=name not in cfg.no_flip, crop=name not in cfg.no_crop),
+                       Path(value).expanduser().resolve(), False)
+    for flag in ("no_flip", "no_crop"):
+        unknown = [n for n in getattr(cfg, flag) if n not in found]
+        check(not unknown, flag, f"{', '.join(unknown)}: not a task of this run")
+    tasks = {}
+    for name, (task, path, registry) in found.items():
+        from training.vtab_data import split_command
+
+        for split in SPLITS:
+            if not (path / split / "manifest.json").is_file():
+                what = "does not exist" if not path.exists() else f"has no {split}/ shard set"
+                raise MissingTaskError(f"task {name}: {path} {what}; prepare it with: "
+                                       f"{split_command(name, str(path), registry)}")
+        sets = {s: ShardSet(path / s) for s in SPLITS}
+        maps = {s: sets[s].label_map for s in SPLITS}
+        if not maps["train800"] == maps["val200"] == maps["test"]:
+            raise ConfigError(f"task {name}: the label maps of {path}/train800, val200 and test differ; prepare the "
+                              "three splits with the same --label-map (jobs/vtab_prepare.py does)")
+        classes = len(maps["train800"])
+        if task.num_classes is not None and classes != task.num_classes:
+            raise ConfigError(f"task {name}: {path} has {classes} classes, VTAB's {name} has {task.num_classes}; "
+                              f"prepare it with: {split_command(name, str(path), True)}")
+        empty = [s for s in SPLITS if len(sets[s]) == 0]
+        if empty:
+            raise ConfigError(f"task {name}: {path}/{empty[0]} has no rows; check its quarantine.jsonl")
+        tasks[name] = {"dir": str(path), "group": task.group, "num_classes": classes, "flip": task.flip,
+                       "crop": task.crop, "registry": registry}
+    return tasks
+
+
+def vtab_trial(config: dict) -> None:
+    """One task at one (lr, steps). ``select``: train800 → val200; ``final``: train800val200 → test."""
+    import torch
+    from torch.utils.data import ConcatDataset, DataLoader
+
+    from common import tracking
+    from training.data import ShardImageDataset, eval_transform, train_transform
+    from training.finetune import TrainSpec, load_backbone, report_final, train_sgd, trial_device
+    from training.loop import evaluate
+
+    cfg = VtabConfig(**config["cfg"])
+    name, setting, phase = config["task"], config["setting"], config["phase"]
+    task = config["tasks"][name]
+    torch.set_num_threads(max(1, cfg.cpus_per_trial))
+    torch.manual_seed(cfg.seed)
+    device = trial_device(cfg.gpus_per_trial)
+    uri = config["mlflow_uri"]
+    run_id = tracking.create_child_run(
+        config["mlflow_parent"], f"{phase} {name} lr={setting['lr']:g} steps={setting['steps']}",
+        stage=f"vtab-{phase}", params={"task": name, "group": task["group"], "phase": phase, **setting}, uri=uri)
+    try:
+        model = load_backbone(cfg.pretrained, cfg.variant, cfg.img_size, task["num_classes"]).to(device)
+        size = model.config.img_size[0]
+        augment = train_transform(size, flip=task["flip"], min_area=cfg.crop_min_area if task["crop"] else 1.0)
+        root = Path(task["dir"])
+        parts = ["train800"] + (["val200"] if phase == "final" else [])
+        train_ds = ConcatDataset([ShardImageDataset(root / p, augment, seed=cfg.seed) for p in parts])
+        eval_split = "val200" if phase == "select" else "test"
+        eval_loader = DataLoader(ShardImageDataset(root / eval_split, eval_transform(size)), batch_size=256)
+        spec = TrainSpec(lr=setting["lr"], steps=setting["steps"], batch_size=cfg.batch_size,
+                         microbatch=cfg.microbatch, warmup_steps=cfg.warmup_steps, grad_clip=cfg.grad_clip,
+                         momentum=cfg.momentum, bf16=cfg.bf16, seed=cfg.seed)
+        evaluated, stats = train_sgd(model, train_ds, spec, device)
+        result = evaluate(evaluated, eval_loader, device, cfg.bf16)
+        key = "val" if phase == "select" else "test"
+        metrics = {f"{key}_accuracy": result["accuracy"], f"{key}_loss": result["loss"],
+                   "train_loss": stats["train_loss"], "train_rows": len(train_ds),
+                   "images_per_second": stats["images_per_second"]}
+        tracking.log_metrics_to(run_id, metrics, step=setting["steps"], uri=uri)
+        if phase == "final":
+            report_final(metrics, evaluated)
+        else:
+            from ray import tune
+
+            tune.report(metrics)
+        tracking.end_run(run_id, uri=uri)
+    except BaseException:
+        tracking.end_run(run_id, failed=True, uri=uri)
+        raise
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def choose_setting(val: dict[tuple, dict[str, float]], task_names: list[str], settings: list[dict]) -> tuple[dict, list]:
+    """The setting with the highest mean val200 accuracy over every task (ties: the earlier one).
+
+    ``val[(lr, steps)][task]`` are the selection trials' val200 accuracies; a setting missing a
+    task (its trial failed after its retries) cannot be compared and is left out.
+    """
+    table = []
+    for s in settings:
+        accs = val.get((s["lr"], s["steps"]), {})
+        complete = all(t in accs for t in task_names)
+        table.append({**s, "mean_val_accuracy": mean(accs[t] for t in task_names) if complete else None,
+                      "val_accuracy": {t: accs.get(t) for t in task_names}})
+    scored = [row for row in table if row["mean_val_accuracy"] is not None]
+    if not scored:
+        raise RuntimeError("no setting has a val200 accuracy for every task; every setting lost a trial to failures")
+    best = max(scored, key=lambda r: r["mean_val_accuracy"])
+    return {"lr": best["lr"], "steps": best["steps"]}, table
+
+
+def aggregate(tasks: dict[str, dict], setting: dict, val: dict[str, float], test: dict[str, float]) -> dict:
+    """The results in the issue's shape: setting, per-task val/test, group means, the mean."""
+    per_task = {n: {"group": tasks[n]["group"], "val_accuracy": val[n], "test_accuracy": test[n]} for n in tasks}
+    groups = {g: mean(r["test_accuracy"] for r in per_task.values() if r["group"] == g)
+              for g in GROUPS if any(r["group"] == g for r in per_task.values())}
+    return {"setting": dict(setting), "tasks": per_task, "groups": groups,
+            "mean": mean(r["test_accuracy"] for r in per_task.values())}
+
+
+def format_table(results: dict) -> str:
+    s = results["setting"]
+    lines = [f"VTAB-1k (setting lr={s['lr']:g}, steps={s['steps']}, chosen by mean val200 accuracy)",
+             f"  {'group':<12} {'task':<22} {'val200':>7} {'test':>7}"]
+    for g in GROUPS:
+        for name, r in results["tasks"].items():
+            if r["group"] == g:
+                lines.append(f"  {g:<12} {name:<22} {r['val_accuracy']:>7.3f} {r['test_accuracy']:>7.3f}")
+    for g, m in results["groups"].items():
+        lines.append(f"  {g + ' mean':<35} {m:>7.3f}")
+    lines.append(f"  {'VTAB mean (over tasks)':<35} {results['mean']:>7.3f}")
+    return "\n".join(lines)
+
+
+def plot(results: dict, path: Path) -> None:
+    """Bars of test accuracy per task, grouped and coloured by group, with each group's mean."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colours = {"natural": "#4c72b0", "specialized": "#dd8452", "structured": "#55a868"}
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(results["tasks"]) + 3), 4.5))
+    x, ticks, labels = 0, [], []
+    for g in GROUPS:
+        names = [n for n, r in results["tasks"].items() if r["group"] == g]
+        if not names:
+            continue
+        start = x
+        for n in names:
+            ax.bar(x, results["tasks"][n]["test_accuracy"], color=colours[g], label=g if x == start else None)
+            ticks.append(x)
+            labels.append(n)
+            x += 1
+        ax.hlines(results["groups"][g], start - 0.4, x - 0.6, colors="black", linestyles="--")
+        ax.text((start + x - 1) / 2, min(1.02, results["groups"][g] + 0.02), f"{g} {results['groups'][g]:.3f}",
+                ha="center", fontsize=8)
+        x += 1
+    ax.set_xticks(ticks, labels, rotation=60, ha="right", fontsize=8)
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("test top-1 accuracy")
+    s = results["setting"]
+    ax.set_title(f"VTAB-1k: mean {results['mean']:.3f} (lr {s['lr']:g}, {s['steps']} steps)")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
+    from ray import tune
+
+    from common import tracking
+    from common.fs import atomic_write
+    from training.finetune import (close_interrupted_children, open_sweep_state, save_sweep_state, tune_sweep)
+    from training.ray_utils import init_ray
+    from training.pretrain import MODEL_FILE
+
+    if cfg.pretrained:
+        path = Path(cfg.pretrained).expanduser().resolve()
+        path = path / MODEL_FILE if path.is_dir() else path
+        if not path.is_file():
+            raise ConfigError(f"pretrained: {path} does not exist; pass the {MODEL_FILE} that jobs/pretrain.py wrote")
+        cfg = dataclasses.replace(cfg, pretrained=str(path))
+    tasks = resolve_tasks(cfg)  # before Ray starts: a missing task costs nothing
+    output = Path(cfg.output).expanduser().resolve()
+    config = dataclasses.asdict(cfg)
+    state = open_sweep_state(output, config, fresh_keys=("ray_address", "max_concurrent", "max_failures",
+                                                          "parent_run_id"))
+    output.mkdir(parents=True, exist_ok=True)
+    init_ray(cfg.ray_address)
+    uri = tracking.tracking_uri()
+    resources = {"cpu": cfg.cpus_per_trial, **({"gpu": cfg.gpus_per_trial} if cfg.gpus_per_trial else {})}
+    names = list(tasks)
+    run_ctx = (tracking.start_run("vtab", run_id=state["mlflow_run_id"]) if state else
+               tracking.start_run("vtab", params={**config, "tasks": names}, parent_run_id=cfg.parent_run_id))
+    with run_ctx as run:
+        if state:
+            close_interrupted_children(run.info.run_id)
+        save_sweep_state(output, config, run.info.run_id)
+        common = {"cfg": config, "tasks": tasks, "mlflow_parent": run.info.run_id, "mlflow_uri": uri}
+        grid = tune_sweep(vtab_trial, {"task": tune.grid_search(names), "setting": tune.grid_search(cfg.settings()),
+                                       "phase": "select", **common},
+                          name="select", output=output, resources=resources, metric="val_accuracy",
+                          max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures)
+        val: dict[tuple, dict[str, float]] = {}
+        failed = []
+        for r in grid:
+            s = r.config["setting"]
+            if r.error or not r.metrics or "val_accuracy" not in r.metrics:
+                failed.append({"task": r.config["task"], **s, "error": str(r.error)})
+                continue
+            val.setdefault((s["lr"], s["steps"]), {})[r.config["task"]] = r.metrics["val_accuracy"]
+        setting, sweep = choose_setting(val, names, cfg.settings())
+        final = tune_sweep(vtab_trial, {"task": tune.grid_search(names), "setting": setting, "phase": "final",
+                                        **common},
+                           name="final", output=output, resources=resources, metric="test_accuracy",
+                           max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures)
+        test = {}
+        for r in final:
+            if r.error or not r.metrics or "test_accuracy" not in r.metrics:
+                raise RuntimeError(f"the final fine-tune of task {r.config['task']} on train800val200 failed: {r.error}")
+            test[r.config["task"]] = r.metrics["test_accuracy"]
+        chosen = val[(setting["lr"], setting["steps"])]
+        results = aggregate(tasks, setting, chosen, test)
+        atomic_write(str(output / RESULTS_FILE), json.dumps(results, indent=2))
+        atomic_write(str(output / "vtab_sweep.json"), json.dumps({"settings": sweep, "failed": failed}, indent=2))
+        plot(results, output / CHART_FILE)
+        table = format_table(results)
+        tracking.log_metrics({"vtab_mean": results["mean"], "lr": setting["lr"], "steps": setting["steps"],
+                              **{f"vtab_{g}": m for g, m in results["groups"].items()},
+                              **{f"test_accuracy.{n}": r["test_accuracy"] for n, r in results["tasks"].items()}})
+        for f in (RESULTS_FILE, CHART_FILE, "vtab_sweep.json"):
+            tracking.log_artifact(output / f)
+        tracking.log_text(table, "vtab_results.txt")
+    return {**results, "sweep": sweep, "failed": failed, "output": str(output), "mlflow_run_id": run.info.run_id}

@@ -1,0 +1,245 @@
+"""Writing VTAB-1k task folders (``train800/``, ``val200/``, ``test/`` shard sets) from three sources.
+
+- ``tfds``: a registry task from TFDS-prepared data (``tensorflow-datasets`` must be installed and
+  the dataset already prepared in ``--tfds-data-dir``; nothing is downloaded). The task's splits
+  are cut as the registry says, labels computed by its label definition, and the images go
+  through the Beam ingest like any corpus.
+- ``folders``: raw downloads laid out as class folders, ``SRC/train/<class>/*`` and
+  ``SRC/test/<class>/*`` with an optional ``SRC/val/<class>/*``. train800 is the first 800 files
+  of train in a seeded order; val200 the first 200 of val (or the next 200 of train without one).
+- ``split``: a deterministic train800/val200 split of any shard set (rows ordered by a seeded
+  hash of their key, so the split does not depend on how the shards were written).
+
+Every split of a task shares one label map, so a class absent from a small split keeps its id.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import tempfile
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from common.config import ConfigError, check
+from training.vtab_tasks import TASKS, TRAIN_SIZE, VAL_SIZE
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
+
+
+@dataclasses.dataclass
+class VtabPrepareConfig:
+    """Write a VTAB-1k task folder (train800/, val200/, test/ shard sets)."""
+
+    source: Literal["tfds", "folders", "split"] = field(metadata={"help": "tfds: a registry task from TFDS-prepared "
+                                                                         "data; folders: class folders; split: "
+                                                                         "train800/val200 of a shard set"})
+    output: str = field(metadata={"help": "the task folder to write (e.g. DATA_ROOT/dtd)"})
+    task: str | None = field(default=None, metadata={"help": "registry task name (source tfds)"})
+    input: str | None = field(default=None, metadata={"help": "class-folder root (folders) or shard set (split)"})
+    tfds_data_dir: str | None = field(default=None, metadata={"help": "TFDS data_dir holding the prepared dataset"})
+    train_size: int = field(default=TRAIN_SIZE, metadata={"help": "images in the train split (VTAB-1k: 800)"})
+    val_size: int = field(default=VAL_SIZE, metadata={"help": "images in the val split (VTAB-1k: 200)"})
+    train_name: str = field(default="train800", metadata={"help": "folder name of the train split"})
+    val_name: str = field(default="val200", metadata={"help": "folder name of the val split"})
+    size: int = field(default=384, metadata={"help": "shorter side of the stored images (prepare --size)"})
+    upscale: bool = field(default=True, metadata={"help": "enlarge smaller images to --size (VTAB images are small)"})
+    workers: int = field(default=1, metadata={"help": "Beam workers"})
+    seed: int = field(default=0, metadata={"help": "seed of the file order (folders) and row order (split)"})
+
+    def __post_init__(self) -> None:
+        check(self.train_size > 0 and self.val_size > 0, "train_size", "train and val sizes must be positive")
+        if self.source == "tfds":
+            check(self.task in TASKS, "task", f"{self.task!r} is not a registry task; known: {', '.join(TASKS)}")
+            check(bool(self.tfds_data_dir), "tfds_data_dir", "pass the TFDS data_dir the dataset was prepared in")
+        else:
+            check(bool(self.input), "input", f"--source {self.source} needs --input")
+
+
+def split_command(task: str, out: str, registry: bool) -> str:
+    """The converter command that prepares ``task`` at ``out`` (for error messages and the README)."""
+    if registry:
+        return f"python jobs/vtab_prepare.py --source tfds --task {task} --tfds-data-dir TFDS_DIR --output {out}"
+    return f"python jobs/vtab_prepare.py --source folders --input SRC --output {out}"
+
+
+# -- writing shard sets ------------------------------------------------------------------------------
+
+def write_subset(src, rows: np.ndarray, out: Path, *, note: dict) -> int:
+    """Write rows ``rows`` of shard set ``src`` as a new one-shard set at ``out``; returns rows written."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    from common.fs import atomic_write
+    from pipelines import schema
+
+    table = pa.concat_tables([pa.Table.from_batches([b]) for b in src.iter_batches()]) if len(src) else None
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("shard-*.arrow"):
+        old.unlink()
+    (out / schema.MANIFEST).unlink(missing_ok=True)
+    shards = []
+    if table is not None and len(rows):
+        part = table.take(pa.array(np.sort(rows))).sort_by(schema.KEY).cast(schema.SCHEMA)
+        name = schema.shard_name(0)
+        path = out / name
+        with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, schema.SCHEMA) as writer:
+            writer.write_table(part, max_chunksize=schema.BATCH_ROWS)
+        shards.append({"path": name, "rows": part.num_rows, "bytes": path.stat().st_size,
+                       "sha256": schema.file_sha256(path)})
+    n = sum(s["rows"] for s in shards)
+    manifest = {
+        "schema_version": schema.SCHEMA_VERSION,
+        "shards": shards,
+        "num_rows": n,
+        "label_map": dict(src.label_map),
+        "counts": {"inputs": n, "written": n, "rejected_total": 0, "rejected": {}, "duplicates_total": 0,
+                   "duplicates": {}},
+        "config": note,
+        "mlflow_run_id": src.manifest.get("mlflow_run_id"),
+    }
+    atomic_write(str(out / schema.MANIFEST), json.dumps(manifest, indent=2))
+    return n
+
+
+def _order(keys: list[str], seed: int) -> np.ndarray:
+    digests = [hashlib.sha256(f"{seed}:{k}".encode("utf-8", "surrogateescape")).hexdigest() for k in keys]
+    return np.argsort(np.asarray(digests), kind="stable")
+
+
+def split_shard_set(src_dir: str | Path, out: str | Path, *, train_size: int = TRAIN_SIZE, val_size: int = VAL_SIZE,
+                    seed: int = 0, train_name: str = "train800", val_name: str = "val200") -> dict[str, int]:
+    """Deterministic train/val split of a shard set into ``out/train_name`` and ``out/val_name``."""
+    from pipelines.schema import ShardSet
+    from training.data import shard_keys
+
+    src = ShardSet(src_dir)
+    if len(src) < train_size + val_size:
+        raise ConfigError(f"input: {src_dir} has {len(src)} rows, fewer than --train-size {train_size} + "
+                          f"--val-size {val_size}; give a larger shard set or smaller sizes")
+    order = _order(shard_keys(src), seed)
+    out = Path(out)
+    note = {"derived_from": str(Path(src_dir).resolve()), "seed": seed}
+    return {
+        train_name: write_subset(src, order[:train_size], out / train_name, note={**note, "split": train_name}),
+        val_name: write_subset(src, order[train_size:train_size + val_size], out / val_name,
+                               note={**note, "split": val_name}),
+    }
+
+
+# -- from class folders ------------------------------------------------------------------------------
+
+def _class_files(root: Path) -> dict[str, list[Path]]:
+    if not root.is_dir():
+        return {}
+    return {d.name: sorted(p for p in d.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+            for d in sorted(root.iterdir()) if d.is_dir()}
+
+
+def _ingest(files: list[tuple[Path, str]], out: Path, label_map: Path, cfg: VtabPrepareConfig, staging: Path) -> dict:
+    """Copy ``(file, class)`` pairs into class folders under ``staging`` and run the Beam ingest on them."""
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    if staging.exists():
+        shutil.rmtree(staging)
+    for i, (path, cls) in enumerate(files):
+        d = staging / cls
+        d.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, d / f"{i:06d}{path.suffix.lower()}")
+    manifest = run_prepare(PrepareConfig(input=[str(staging)], output=str(out), size=cfg.size, upscale=cfg.upscale,
+                                         workers=cfg.workers, label_map=str(label_map)))
+    return manifest["counts"]
+
+
+def from_folders(cfg: VtabPrepareConfig) -> dict[str, Any]:
+    src, out = Path(cfg.input), Path(cfg.output)
+    train, val, test = (_class_files(src / s) for s in ("train", "val", "test"))
+    if not train or not test:
+        raise ConfigError(f"input: {src} needs train/<class>/ and test/<class>/ folders of images "
+                          "(and optionally val/<class>/)")
+    classes = sorted(set(train) | set(val) | set(test))
+    rng_key = lambda p: hashlib.sha256(f"{cfg.seed}:{p.relative_to(src)}".encode()).hexdigest()  # noqa: E731
+    train_files = sorted(((p, c) for c, ps in train.items() for p in ps), key=lambda pc: rng_key(pc[0]))
+    if val:
+        val_files = sorted(((p, c) for c, ps in val.items() for p in ps), key=lambda pc: rng_key(pc[0]))[:cfg.val_size]
+    else:
+        val_files = train_files[cfg.train_size:cfg.train_size + cfg.val_size]
+    train_files = train_files[:cfg.train_size]
+    if len(train_files) < cfg.train_size or len(val_files) < cfg.val_size:
+        raise ConfigError(f"input: {src} has {len(train_files)} train and {len(val_files)} val images, fewer than "
+                          f"{cfg.train_size} and {cfg.val_size}; give smaller --train-size/--val-size")
+    test_files = [(p, c) for c, ps in test.items() for p in ps]
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="vtab-prepare-") as tmp:
+        label_map = Path(tmp) / "label_map.json"
+        label_map.write_text(json.dumps({c: i for i, c in enumerate(classes)}))
+        counts = {name: _ingest(files, out / name, label_map, cfg, Path(tmp) / name)
+                  for name, files in ((cfg.train_name, train_files), (cfg.val_name, val_files), ("test", test_files))}
+    return {"output": str(out), "classes": len(classes), "counts": counts}
+
+
+# -- from TFDS ---------------------------------------------------------------------------------------
+
+def from_tfds(cfg: VtabPrepareConfig) -> dict[str, Any]:
+    task = TASKS[cfg.task]
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError:
+        raise ConfigError(
+            "source: --source tfds needs tensorflow-datasets, which is not installed; install it "
+            "(pip install tensorflow-datasets tensorflow) and prepare the dataset with TFDS, or export the images "
+            "as class folders and use --source folders"
+        ) from None
+    from PIL import Image
+
+    builder = tfds.builder(task.tfds, data_dir=cfg.tfds_data_dir)
+    try:
+        builder.info.splits  # noqa: B018  (raises when the dataset was never prepared there)
+        if not builder.info.splits:
+            raise ValueError("no splits")
+    except Exception as exc:  # noqa: BLE001  (TFDS raises several types here)
+        raise ConfigError(f"tfds_data_dir: {task.tfds} is not prepared in {cfg.tfds_data_dir} ({exc}); run TFDS's "
+                          f"download_and_prepare for it there first") from None
+    out = Path(cfg.output)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    with tempfile.TemporaryDirectory(prefix="vtab-tfds-") as tmp:
+        label_map = Path(tmp) / "label_map.json"
+        label_map.write_text(json.dumps({f"{c:03d}": c for c in range(task.num_classes)}))
+        for name, split, limit in ((cfg.train_name, task.train_split, cfg.train_size),
+                                   (cfg.val_name, task.val_split, cfg.val_size), ("test", task.test_split, None)):
+            export = Path(tmp) / f"{name}-images"
+            files = []
+            ds = builder.as_dataset(split=split, shuffle_files=False)
+            if limit is not None:
+                ds = ds.take(limit)
+            for i, ex in enumerate(tfds.as_numpy(ds)):
+                img = np.asarray(ex["image"])
+                if img.ndim == 3 and img.shape[2] == 1:
+                    img = img[:, :, 0]
+                if img.max() <= 1:  # dSprites stores 0/1 masks
+                    img = img * 255
+                label = task.label_fn(ex)
+                cls = f"{label:03d}"
+                path = export / cls / f"{i:06d}.png"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(img.astype(np.uint8)).convert("RGB").save(path)
+                files.append((path, cls))
+            counts[name] = _ingest(files, out / name, label_map, cfg, Path(tmp) / name)
+    return {"output": str(out), "task": task.name, "classes": task.num_classes, "counts": counts}
+
+
+def run_vtab_prepare(cfg: VtabPrepareConfig) -> dict[str, Any]:
+    if cfg.source == "tfds":
+        return from_tfds(cfg)
+    if cfg.source == "folders":
+        return from_folders(cfg)
+    counts = split_shard_set(cfg.input, cfg.output, train_size=cfg.train_size, val_size=cfg.val_size, seed=cfg.seed,
+                             train_name=cfg.train_name, val_name=cfg.val_name)
+    return {"output": cfg.output, "counts": counts,
+            "next": f"write the test split with: python jobs/prepare.py --input TEST_SRC --output {cfg.output}/test"}
