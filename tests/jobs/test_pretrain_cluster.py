@@ -222,8 +222,17 @@ def test_killed_worker_restarts_and_resubmission_continues(cluster, corpus, tmp_
     assert out.returncode == 0, out.stderr[-3000:]
     run_dir = out_dir / "ray" / "kill"
     deadline = time.time() + 400
-    # Two checkpoint folders: the first is then registered with Ray Train, not just being written.
-    while not (run_dir.is_dir() and sum(p.name.startswith("checkpoint_") for p in run_dir.iterdir()) >= 2):
+    # Wait until Ray Train has registered a checkpoint (its snapshot lists one): a checkpoint folder
+    # alone may belong to a report the controller has not collected yet, which a kill would lose.
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"
+
+    def registered() -> bool:
+        try:
+            return bool(json.loads(snapshot.read_text()).get("checkpoint_results"))
+        except (OSError, ValueError):
+            return False
+
+    while not registered():
         assert time.time() < deadline and job_status(cluster, sid) in ("PENDING", "RUNNING"), job_logs(cluster, sid)[-3000:]
         time.sleep(0.2)
     (victim,) = train_workers(cluster["pids"])
