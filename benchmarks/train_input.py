@@ -10,9 +10,14 @@
   Its first pass pays Ray Data's start-up; the figure is the second (steady-state) pass.
 
 All three use the same augmentation (Inception crop, flip, [-1, 1]) at the same resolution.
+
+Input wait: each loader then feeds real training steps of a vitcore model (``--model``, bf16 on
+CUDA) and the fraction of step time spent waiting for the next batch is reported, as
+``jobs/pretrain.py`` logs it (``input_wait_fraction``). The shards loader runs with
+``--loader-workers`` DataLoader processes, as pre-training does with ``--use-gpu``.
 The final line is JSON.
 
-    python benchmarks/train_input.py [--images 1200] [--img-size 224] [--batch 64]
+    python benchmarks/train_input.py [--images 1200] [--img-size 224] [--batch 64] [--model Ti/16] [--device cuda]
 """
 from __future__ import annotations
 
@@ -90,6 +95,47 @@ def ray_data_loader(shards: str, img_size: int, batch: int, num_classes: int) ->
     return rate
 
 
+def training_step(variant: str, img_size: int, num_classes: int, device: str):
+    """One real optimiser step of a vitcore model per call (bf16 autocast on CUDA)."""
+    import vitcore
+    from training.data import normalize
+    from training.loop import autocast
+
+    model = vitcore.create_model(variant, num_classes=num_classes, img_size=img_size).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dev = torch.device(device)
+
+    def step(x, y):
+        x, y = normalize(x.to(dev, non_blocking=True)), y.to(dev, non_blocking=True)
+        with autocast(dev, True):
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def input_wait(batches, step, steps: int) -> float:
+    """Fraction of wall time spent waiting for the next batch over ``steps`` training steps
+    (after one warm-up step); the device is synchronised before the clock stops."""
+    it = iter(batches)
+    step(*next(it))
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    waited, start = 0.0, time.perf_counter()
+    for _ in range(steps):
+        t = time.perf_counter()
+        try:
+            x, y = next(it)
+        except StopIteration:
+            break
+        waited += time.perf_counter() - t
+        step(x, y)
+    sync()
+    return waited / (time.perf_counter() - start)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=1200)
@@ -97,6 +143,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--shard-size", type=int, default=256, help="shorter side stored in the shards")
     ap.add_argument("--img-size", type=int, default=224)
     ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--model", default="Ti/16", help="vitcore variant trained for the input-wait figures")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--wait-steps", type=int, default=8, help="training steps per loader for the input-wait figures")
+    ap.add_argument("--loader-workers", type=int, default=2, help="DataLoader processes of the shards loader for input wait")
     args = ap.parse_args(argv)
 
     import ray
@@ -120,6 +170,21 @@ def main(argv=None) -> dict:
             "shards_img_s": shards_loader(shards, args.img_size, args.batch),
             "ray_data_img_s": ray_data_loader(shards, args.img_size, args.batch, num_classes),
         }
+        step = training_step(args.model, args.img_size, num_classes, args.device)
+        from pipelines.ray_source import read_shards
+        from training.data import DecodeBatch, ShardImageDataset, train_transform
+
+        ds = ShardImageDataset(shards, train_transform(args.img_size, uint8=True))
+        loader = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, drop_last=True,
+                                             num_workers=args.loader_workers, pin_memory=args.device == "cuda")
+        decode = DecodeBatch(args.img_size, label_mode="single", num_classes=num_classes, holdout=0.0)
+        stream = read_shards(shards, columns=["key", "image", "format", "height", "width", "labels"]).map_batches(
+            decode, batch_format="numpy", batch_size=args.batch)
+        waits = {
+            "shards_input_wait": input_wait(loader, step, args.wait_steps),
+            "ray_data_input_wait": input_wait(((b["image"], b["label"]) for b in stream.iter_torch_batches(
+                batch_size=args.batch, drop_last=True)), step, args.wait_steps),
+        }
         cpus = int(ray.cluster_resources().get("CPU", 1))
         ray.shutdown()
     result = {
@@ -132,6 +197,10 @@ def main(argv=None) -> dict:
         **{k: round(v, 1) for k, v in rates.items()},
         "shards_vs_folder": round(rates["shards_img_s"] / rates["folder_loop_img_s"], 2),
         "ray_data_vs_shards": round(rates["ray_data_img_s"] / rates["shards_img_s"], 2),
+        "model": args.model,
+        "device": args.device,
+        "loader_workers": args.loader_workers,
+        **{k: round(v, 3) for k, v in waits.items()},
         "note": f"folder and shards loops use one core; Ray Data spreads decoding over {cpus} CPUs",
     }
     print(json.dumps(result))

@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
+from common.config import ConfigError
+from common.jobenv import RUNTIME_ENV_HINT, inside_copy
 from common.text import utf8_text
 
 DEFAULT_EXPERIMENT = "vitscale"
@@ -24,15 +26,39 @@ EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def home() -> Path:
-    return Path(os.environ.get("VITSCALE_HOME", "mlruns")).resolve()
+    value = os.environ.get("VITSCALE_HOME", "mlruns")
+    if inside_copy(value):
+        raise ConfigError(
+            f"VITSCALE_HOME: the MLflow store {value if 'VITSCALE_HOME' in os.environ else './mlruns (the default)'} "
+            f"would land in Ray's uploaded copy of the working dir, "
+            f"which is deleted with the Ray session; {RUNTIME_ENV_HINT}"
+        )
+    return Path(value).expanduser().resolve()
 
 
 def default_tracking_uri() -> str:
     return f"sqlite:///{home() / 'mlflow.db'}"
 
 
+def _local_store_path(uri: str) -> str | None:
+    """The file or folder a local tracking URI writes to (``sqlite:///x`` is relative, ``sqlite:////x`` absolute)."""
+    for prefix in ("sqlite:///", "file://", "file:"):
+        if uri.startswith(prefix):
+            return uri[len(prefix):] or "."
+    return None if "://" in uri else uri
+
+
 def tracking_uri() -> str:
-    return os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        return default_tracking_uri()
+    local = _local_store_path(uri)
+    if local is not None and inside_copy(local):
+        raise ConfigError(
+            f"MLFLOW_TRACKING_URI: {uri!r} would write into Ray's uploaded copy of the working dir, which is "
+            f"deleted with the Ray session; {RUNTIME_ENV_HINT}"
+        )
+    return uri
 
 
 def ui_command(uri: str | None = None) -> str:
@@ -219,3 +245,21 @@ def get_run(run_id: str):
 
 def scratch_dir(prefix: str = "vitscale-") -> str:
     return tempfile.mkdtemp(prefix=prefix)
+
+
+def register_model(name: str, source: str, run_id: str, *, tags: Mapping[str, str] | None = None,
+                   uri: str | None = None) -> dict[str, str]:
+    """Register ``source`` (a run's artifact folder) as a new version of model ``name`` in the
+    MLflow model registry, with ``tags`` on the version; returns its name and version."""
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    client = mlflow.MlflowClient(uri or tracking_uri())
+    try:
+        client.create_registered_model(name)
+    except MlflowException as exc:
+        if "RESOURCE_ALREADY_EXISTS" not in str(exc.error_code):
+            raise
+    version = client.create_model_version(name, source, run_id=run_id,
+                                          tags={utf8_text(k): utf8_text(str(v)) for k, v in (tags or {}).items()})
+    return {"name": name, "version": str(version.version)}

@@ -16,6 +16,7 @@ from dedup.index import IndexOutdated, TestSetIndex
 from dedup.report import write_report
 from dedup.rescan import rescan
 from common.config import check
+from common.jobenv import durable_path
 from pipelines.config import parse_test_sets
 from pipelines.schema import MANIFEST, ShardSet, decode_row_image
 from pipelines.testsets import build_test_set_index, check_sources, iter_images
@@ -86,6 +87,10 @@ def run(cfg: DedupConfig) -> dict:
     """Refresh the index, rescan the shards, write the report; returns a summary dict (also logged to MLflow)."""
     from common import tracking
 
+    # The shards get removed.jsonl, and the index and report are kept: none may vanish with Ray's upload.
+    cfg = dataclasses.replace(cfg, **{name: durable_path(getattr(cfg, name), name)
+                                      for name in ("shards", "index_dir", "report_dir") if getattr(cfg, name)})
+    tracking.tracking_uri()
     shard_dir = Path(cfg.shards)
     num_rows = ShardSet(shard_dir, honour_removed=False).manifest.get("num_rows")  # refuses a non-shard set first
     index_dir = Path(cfg.index_dir) if cfg.index_dir else shard_dir / "dedup_index"

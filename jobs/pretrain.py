@@ -1,7 +1,8 @@
 """Pre-train a ViT on Arrow shards with Ray Train. Run with --help for every option.
 
     python jobs/pretrain.py --data shards/ --variant Ti/16 --img-size 224 --num-workers 2
-    ray job submit --working-dir . -- python jobs/pretrain.py --data /abs/shards ...
+    ray job submit --working-dir . --runtime-env-json '{"env_vars": {"VITSCALE_HOME": "/abs/home"}}' \
+        -- python jobs/pretrain.py --config configs/pretrain-b16-i21k.yaml --data /abs/shards --output runs/b16
 """
 import sys
 from pathlib import Path

@@ -51,6 +51,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from common.config import InputError
 from common.fs import atomic_open, atomic_write, url_to_fs as _fs
+from common.jobenv import durable_path
 from pipelines import local_runner, schema
 from pipelines.config import PrepareConfig
 from pipelines.process import ProcessOptions, process_item, reject
@@ -568,6 +569,11 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     test_sets = cfg.test_sets()
     check_sources(test_sets)
 
+    try:
+        cfg = dataclasses.replace(cfg, output=durable_path(cfg.output, "output"))
+        tracking.tracking_uri()
+    except InputError as exc:  # a result that would vanish with Ray's uploaded working dir
+        raise PrepareError(str(exc)) from None
     fs, root = _fs(cfg.output)
     try:
         fs.makedirs(root, exist_ok=True)

@@ -140,7 +140,9 @@ def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
     model = vitcore.load_checkpoint(path, **({"img_size": cfg.img_size} if cfg.img_size else {})).to(device).eval()
     size = model.config.img_size[0]
     seeds = list(range(cfg.seed, cfg.seed + cfg.draws))
-    output = Path(cfg.output).expanduser().resolve()
+    from common.jobenv import durable_path
+
+    output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     output.mkdir(parents=True, exist_ok=True)
     per_task = {}
     with tracking.start_run("fewshot", params={**dataclasses.asdict(cfg), "tasks": list(tasks)},

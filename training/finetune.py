@@ -434,6 +434,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Select the learning rate on the dev sub-split, retrain on all of train at that rate, test it."""
     from common import tracking
     from common.fs import atomic_open, atomic_write, make_output_dir
+    from common.jobenv import durable_path
     from pipelines.schema import ShardSet
     from training.data import split_rows
     from training.ray_utils import init_ray
@@ -456,7 +457,8 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         )
     if len(test_set) == 0:
         raise ConfigError(f"test: {cfg.test} has no rows; check its quarantine.jsonl or ingest more images")
-    output = Path(cfg.output).expanduser().resolve()
+    output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
+    tracking.tracking_uri()  # refuses a store in Ray's uploaded copy before any trial runs
     config = dataclasses.asdict(cfg)
     # Where Ray runs and how many trials at once do not change the sweep's results.
     state = open_sweep_state(output, config, fresh_keys=("ray_address", "max_concurrent", "max_failures",

@@ -62,6 +62,41 @@ def update(loss: torch.Tensor, opt: torch.optim.Optimizer, model: torch.nn.Modul
     opt.step()
 
 
+def grad_sync(model: torch.nn.Module, enabled: bool):
+    """Gradient all-reduce on (``enabled``) or off for the next backward: DDP's ``no_sync`` or
+    FSDP2's ``set_requires_gradient_sync``; a no-op for an unwrapped model."""
+    seen = model
+    while seen is not None:
+        if hasattr(seen, "set_requires_gradient_sync"):  # FSDP2 (fully_shard)
+            seen.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        if hasattr(seen, "no_sync"):  # DistributedDataParallel
+            return contextlib.nullcontext() if enabled else seen.no_sync()
+        seen = getattr(seen, "_orig_mod", None)  # under torch.compile
+    return contextlib.nullcontext()
+
+
+def accumulate_step(model: torch.nn.Module, opt: torch.optim.Optimizer, microbatches, loss_fn, *,
+                    count: int, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimiser step over ``count`` equal micro-batches, the same update as one step on
+    their union: each mean loss is scaled by 1/count, and gradients are all-reduced only on the
+    last backward. Returns (mean loss, global gradient norm before clipping) as 0-d tensors
+    on the device, so that a GPU step does not wait for the host."""
+    opt.zero_grad(set_to_none=True)
+    total = None
+    for i, batch in enumerate(microbatches):
+        with grad_sync(model, i == count - 1):
+            loss = loss_fn(batch) / count
+            loss.backward()
+        total = loss.detach().float() if total is None else total + loss.detach().float()
+    grad_sync(model, True)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip if grad_clip else float("inf"))
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+        norm = norm.full_tensor()
+    opt.step()
+    return total, norm.detach()
+
+
 def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed loss and number correct for class indices (softmax) or multi-hot targets (sigmoid).
 

@@ -282,7 +282,9 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
             raise ConfigError(f"pretrained: {path} does not exist; pass the {MODEL_FILE} that jobs/pretrain.py wrote")
         cfg = dataclasses.replace(cfg, pretrained=str(path))
     tasks = resolve_tasks(cfg)  # before Ray starts: a missing task costs nothing
-    output = Path(cfg.output).expanduser().resolve()
+    from common.jobenv import durable_path
+
+    output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     config = dataclasses.asdict(cfg)
     state = open_sweep_state(output, config, fresh_keys=("ray_address", "max_concurrent", "max_failures",
                                                           "parent_run_id"))

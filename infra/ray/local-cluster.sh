@@ -61,11 +61,21 @@ if [[ "$action" == stop ]]; then
   exit 0
 fi
 
-# The ray CLI from the active environment, else the project's .venv.
+# A submitted job runs `python ...` from the PATH the head was started with, so the head must
+# start with the project's environment first on PATH: the active venv, else the repo's .venv.
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
-ray_bin="${RAY_BIN:-$(command -v ray || true)}"
-[[ -n "$ray_bin" ]] || ray_bin="$repo/.venv/bin/ray"
-[[ -x "$ray_bin" ]] || die "no ray CLI found; run 'make test' (creates .venv) or activate an environment with ray[default]"
+if [[ -n "${VIRTUAL_ENV:-}" ]]; then
+  env_bin="$VIRTUAL_ENV/bin"
+elif [[ -x "$repo/.venv/bin/python" ]]; then
+  env_bin="$repo/.venv/bin"
+else
+  die "no project environment: activate the venv (source .venv/bin/activate, created by 'make test') and run again"
+fi
+export PATH="$env_bin:$PATH"
+"$env_bin/python" -c 'import pyarrow, torch, ray.train, ray.dashboard' 2>/dev/null \
+  || die "$env_bin/python lacks the project's dependencies (pyarrow, torch, ray[default]); activate the project's venv ('make test' creates .venv) and run again"
+ray_bin="${RAY_BIN:-$env_bin/ray}"
+[[ -x "$ray_bin" ]] || die "no ray CLI at $ray_bin; install ray[default] into $env_bin/.. or activate the project's venv"
 
 if [[ -f "$pid_file" ]] && kill -0 -- "-$(cat "$pid_file")" 2>/dev/null; then
   die "a head started from $temp_dir is already running; run: $0 stop --temp-dir $temp_dir"
@@ -125,7 +135,8 @@ fi
 
 cat <<MSG
 Ray head up: GCS 127.0.0.1:$port, dashboard $address, temp dir $temp_dir (log: $log_file)
-Submit from the repository root ($repo); --data and --output must be absolute paths:
+Workers run python from $env_bin. Submit from the repository root ($repo); --data must be
+absolute, and a relative --output lands under VITSCALE_HOME (the job runs in a throwaway copy):
 
   RAY_AUTH_MODE=token $ray_bin job submit --address $address --working-dir . --runtime-env-json '$runtime_env' -- python jobs/pretrain.py --data /ABS/PATH/shards --output /ABS/PATH/pretrain_output --variant Ti/16 --img-size 224 --num-workers $workers --cpus-per-worker $per_worker$gpu_flag
 

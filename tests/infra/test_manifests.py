@@ -121,7 +121,8 @@ def test_gpu_workers_get_gpus_shm_and_token_auth(path):
     if obj["kind"] == "RayJob":
         _, args = _entrypoint_job(obj["spec"]["entrypoint"])
         flags = dict(zip(args, args[1:]))
-        per = int(flags.get("--cpus-per-worker", flags.get("--cpus-per-trial", 1)))
+        from_config = yaml.safe_load((REPO / flags["--config"][len("/app/"):]).read_text()) if "--config" in flags else {}
+        per = int(flags.get("--cpus-per-worker", flags.get("--cpus-per-trial", from_config.get("cpus_per_worker", 1))))
         # One training worker (or trial) per GPU.
         assert gpus * per < cpus, f"{path}: training reserves every CPU of a node; Ray Data stalls"
 
@@ -153,11 +154,16 @@ def test_entrypoints_parse_into_valid_configs():
     checked = 0
     for path, obj in RAYJOBS:
         job, args = _entrypoint_job(obj["spec"]["entrypoint"])
+        # The image keeps the repository at /app: read a --config from this checkout.
+        args = [str(REPO / a[len("/app/"):]) if a.startswith("/app/configs/") else a for a in args]
         if job in configs:
             cfg = parse_args(configs[job], args, prog=job)
             checked += 1
             if job == "pretrain.py":
                 assert cfg.use_gpu and cfg.output.startswith("/data/"), path
+                # The worked B/16 i21k recipe (configs/pretrain-b16-i21k.yaml), one worker per GPU of 2x8.
+                assert (cfg.variant, cfg.img_size, cfg.batch_size, cfg.lr, cfg.weight_decay, cfg.warmup_steps,
+                        cfg.epochs, cfg.num_workers) == ("B/16", 224, 4096, 1e-3, 0.03, 10_000, 90, 16), path
             else:
                 assert cfg.gpus_per_trial >= 1 and len(cfg.lrs) == 4, path
     assert checked == 2

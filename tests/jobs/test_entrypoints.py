@@ -188,6 +188,11 @@ def test_ray_job_submit_runs_pretrain(small_demo, ray_head, tmp_path, tcp_listen
     assert "succeeded" in out.stdout + out.stderr
     summary = json.loads((out_dir / "pretrain_summary.json").read_text())
     assert (out_dir / "model.safetensors").exists() and summary["metrics"]["epoch"] == 0
+    assert summary["model"] == str(out_dir / "model.safetensors")
+    import mlflow  # the run is in the submitter's store, not in Ray's copy of the working dir
+
+    run = mlflow.MlflowClient(runtime_env["env_vars"]["MLFLOW_TRACKING_URI"]).get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.params["output"] == str(out_dir)
     # The head, started as infra/ray/local-cluster.sh starts it, kept every port on loopback.
     if tcp_listeners is not None:
         found = tcp_listeners(head_pid)
