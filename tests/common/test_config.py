@@ -27,7 +27,7 @@ def test_json_config_and_list_fields(tmp_path):
     "data, message",
     [
         ({"data": "/d", "objective": "contrastive"}, "objective: expected one of 'classification', 'mpp'"),
-        ({"data": "/d", "epochs": "many"}, "epochs: expected an integer, got 'many'"),
+        ({"data": "/d", "epochs": "many"}, "epochs: expected an integer (or null), got 'many'"),
         ({"data": "/d", "epochs": 0}, "epochs: must be a positive integer"),
         ({"data": "/d", "dropout": 1.5}, "dropout: must be in [0, 1)"),
         ({"data": "/d", "lerning_rate": 0.1}, "unknown field(s) lerning_rate"),
