@@ -3,10 +3,10 @@
 Target (issues 5 and 15): 1M corpus images against an index of 100k test
 images in under 60 s on one core, build included, in both directions: each
 corpus image brings ``signatures.CORPUS_CODES`` codes (the whole image, and its
-inner crop for test images cut from it). Signatures are random 128-bit codes
+inner crops for test images cut from it). Signatures are random 128-bit codes
 (real photos' codes cluster more, which fills some buckets more) with planted
 near-duplicates at known distances, half forward (near a test image's code),
-half reverse (the inner code near one of its crop variants); each test image
+half reverse (an inner code near one of its crop variants); each test image
 carries every crop variant, as built by ``TestSetIndex.add``. In the same run:
 the forward-only search of the first code (the rule before issue 15), and a
 brute-force baseline that evaluates the same rule over all pairs on a
@@ -32,7 +32,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 import numpy as np
 
 from dedup import signatures as sig
-from dedup.index import DEFAULT_THRESHOLD
+from dedup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
 from dedup.index import TestSetIndex
 
 
@@ -58,19 +58,20 @@ def main(argv=None) -> dict:
 
     k = sig.CORPUS_CODES
     queries = rng.integers(0, 256, (args.queries, k, sig.SIGNATURE_BYTES), dtype=np.uint8)
-    # planted near-duplicates: a test image's code with 0..threshold bits flipped outside its
-    # first block, so the rule accepts them; half go in the brute-force subsample. Even rows
-    # plant the whole-image code near the identity code (forward), odd rows the inner code
-    # near a random crop variant (reverse).
+    # planted near-duplicates: a test image's code with bits flipped outside its first block,
+    # up to the code's distance condition, so the rule accepts them; half go in the
+    # brute-force subsample. Even rows plant the whole-image code near the identity code
+    # (forward), odd rows an inner code near a random crop variant (reverse).
     planted_rows = np.concatenate([np.arange(args.planted // 2),
                                    rng.choice(np.arange(args.brute_queries, args.queries), args.planted - args.planted // 2,
                                               replace=False)])
     targets = rng.integers(0, args.index, len(planted_rows))
-    code_slot = np.arange(len(planted_rows)) % 2 if k > 1 else np.zeros(len(planted_rows), dtype=np.int64)
+    code_slot = np.where(np.arange(len(planted_rows)) % 2, rng.integers(1, max(k, 2), len(planted_rows)), 0) \
+        if k > 1 else np.zeros(len(planted_rows), dtype=np.int64)
     variant = np.where(code_slot == 0, 0, rng.integers(0, variants, len(planted_rows)))
     bits = np.unpackbits(codes[targets, variant], axis=1)
     for r in range(len(planted_rows)):
-        flips = rng.integers(0, DEFAULT_THRESHOLD + 1)
+        flips = rng.integers(0, DEFAULT_THRESHOLD - (INNER_THRESHOLD_OFFSET if code_slot[r] else 0) + 1)
         flip = rng.choice(np.arange(32, sig.CODE_BITS), flips, replace=False)
         bits[r, flip] ^= 1
     queries[planted_rows, code_slot] = np.packbits(bits, axis=1)

@@ -29,7 +29,7 @@ import numpy as np
 from PIL import Image
 
 from dedup import signatures as sig
-from dedup.index import DEFAULT_THRESHOLD
+from dedup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
 from dedup.transforms import RANDOM_TRANSFORMS, REVERSE_TRANSFORMS, TRANSFORMS, apply
 
 TARGET_RECALL = 0.98
@@ -100,6 +100,11 @@ class Calibration:
     overall_plain_recall: list[float]
     overall_fmr: list[float]  # originals vs every other original, over n * (n - 1) ordered pairs
     false_pairs: list[int]  # distinct ordered pairs matched, per threshold
+    # The same split by source photograph (``groups``): pairs of different photos, the
+    # negatives proper; the rest are non-overlapping tiles of one photo, or a photo and
+    # one of its tiles (a quarter of it or less, far beyond a 10% crop), reported apart.
+    cross_source_pairs: int | None = None
+    cross_source_false_pairs: list[int] | None = None
 
     def at(self, threshold: int) -> dict[str, float]:
         i = self.thresholds.index(threshold)
@@ -133,14 +138,22 @@ class Calibration:
         lines.append(f"{'all (mean)':20s} {sum(self.positives.values()):7d} {self.overall_recall[i]:7.3f} "
                      f"{self.overall_plain_recall[i]:7.3f} {'':7s} {self.overall_fmr[i]:9.2e} "
                      f"({self.false_pairs[i]} distinct pairs)")
+        if self.cross_source_pairs is not None:
+            c = self.cross_source_false_pairs[i]
+            lines.append(f"{'':20s} of them between different source photos: {c} of {self.cross_source_pairs} "
+                         f"({c / max(self.cross_source_pairs, 1):.2e}); within one photo: {self.false_pairs[i] - c} of "
+                         f"{self.n_images * (self.n_images - 1) - self.cross_source_pairs}")
         return "\n".join(lines)
 
 
 def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None = None,
-              thresholds: Sequence[int] = tuple(range(0, 49, 2)), seed: int = 0, repeats: int = 1) -> Calibration:
+              thresholds: Sequence[int] = tuple(range(0, 49, 2)), seed: int = 0, repeats: int = 1,
+              groups: Sequence[str] | None = None) -> Calibration:
     """Measure recall, precision and FMR of the match rule per transform and threshold on ``images``.
 
     Transforms in ``RANDOM_TRANSFORMS`` are applied ``repeats`` times per image with different seeds.
+    ``groups`` (the source photograph of each image) splits the false pairs into pairs of
+    different photos and pairs within one photo.
     """
     from dedup.index import TestSetIndex
 
@@ -161,6 +174,13 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     qi, rec, d, _ = _search(index, corpus)
     off = qi != rec
     false_pairs = [int(np.count_nonzero(off & (d <= t))) for t in thresholds]
+    cross_pairs = cross_false = None
+    if groups is not None:
+        g = np.unique(np.asarray(groups), return_inverse=True)[1]
+        sizes = np.bincount(g)
+        cross_pairs = int(n * n - (sizes ** 2).sum())
+        cross = g[qi] != g[rec]
+        cross_false = [int(np.count_nonzero(cross & (d <= t))) for t in thresholds]
     overall_fmr = [f / pairs for f in false_pairs]
 
     recall, plain_recall, precision, fmr, positives = {}, {}, {}, {}, {}
@@ -194,7 +214,7 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     overall_recall = np.mean([recall[t] for t in names], axis=0).tolist()
     overall_plain = np.mean([plain_recall[t] for t in names], axis=0).tolist()
     return Calibration(thresholds, n, names, positives, recall, plain_recall, precision, fmr, overall_recall,
-                       overall_plain, overall_fmr, false_pairs)
+                       overall_plain, overall_fmr, false_pairs, cross_pairs, cross_false)
 
 
 def _codes(img: Image.Image) -> np.ndarray:
@@ -203,13 +223,17 @@ def _codes(img: Image.Image) -> np.ndarray:
 
 
 def _search(index, codes: Sequence[np.ndarray]):
-    """``index.search_corpus`` over the items that carry codes (low-texture ones match by hash only)."""
+    """``index.search_corpus`` over the items that carry codes (low-texture ones match by hash only).
+
+    The distance returned counts ``INNER_THRESHOLD_OFFSET`` on inner codes, so that
+    ``distance <= threshold`` is the rule at any threshold of the sweep.
+    """
     coded = np.array([i for i, c in enumerate(codes) if len(c)], dtype=np.int64)
     if not len(coded):
         e = np.zeros(0, dtype=np.int64)
         return e, e.copy(), e.copy(), e.copy()
     item, rec, d, code = index.search_corpus(np.stack([codes[i] for i in coded]))
-    return coded[item], rec, d, code
+    return coded[item], rec, d + np.where(code > 0, INNER_THRESHOLD_OFFSET, 0), code
 
 
 def index_variants(index, record: int) -> np.ndarray:
@@ -221,7 +245,8 @@ def _plain(variants: np.ndarray, codes: np.ndarray) -> int:
     if not len(variants) or not len(codes):  # low texture: no codes, exact matches only
         return 1 << 30
     q = sig.to_words(codes)
-    return int(np.bitwise_count(variants[None, :, :] ^ q[:, None, :]).sum(axis=2).min())
+    d = np.bitwise_count(variants[None, :, :] ^ q[:, None, :]).sum(axis=2).min(axis=1)
+    return int((d + np.where(np.arange(len(d)) > 0, INNER_THRESHOLD_OFFSET, 0)).min())
 
 
 def low_texture_pool(n: int = 48, seed: int = 0, size: tuple[int, int] = (320, 240)) -> list[tuple[str, Image.Image]]:
@@ -261,12 +286,10 @@ def low_texture_report(photos: Sequence[Image.Image], *, threshold: int = DEFAUL
     low_margins = np.array([sig.texture_margin(im) for im in low])
 
     def codes_without_rule(img):
-        lum = sig.luminance(img)
-        l, t, r, b = sig.trim_box(lum)
-        lum = lum[t:b, l:r]
-        whole = sig._code(lum)
-        inner = [sig._code(sig._crop(lum, f)) for f in sig.INNER_CROPS]
-        return np.stack([whole] + inner)
+        lum = sig._luminance_image(img)
+        box = sig.trim_box(lum)
+        lum = lum.crop(box)
+        return np.stack([sig._code(lum)] + sig.inner_codes(lum))
 
     def variants_without_rule(img):
         lum = sig.luminance(img)
@@ -355,17 +378,20 @@ def run(out_dir: str | os.PathLike, *, source: str | None = None, holdout: bool 
         from pipelines.testsets import iter_images
 
         sets = {"all": [item.image for item in iter_images(source) if item.image is not None]}
+        groups = {"all": None}
     else:
         pool = photo_pool()
         if holdout:
             design, held = split_pool(pool, holdout_photos)
             sets = {"design": [img for _, img in design], "holdout": [img for _, img in held]}
+            groups = {"design": [n.split("@")[0] for n, _ in design], "holdout": [n.split("@")[0] for n, _ in held]}
         else:
             sets = {"all": [img for _, img in pool]}
+            groups = {"all": [n.split("@")[0] for n, _ in pool]}
     out = Path(out_dir)
     cals, pngs = {}, {}
     for name, images in sets.items():
-        cals[name] = calibrate(images, repeats=repeats)
+        cals[name] = calibrate(images, repeats=repeats, groups=groups[name])
         pngs[name] = _write(cals[name], out / name if len(sets) > 1 else out, f"{name}: {len(images)} images")
     low = low_texture_report([img for images in sets.values() for img in images])
     (out / "low_texture.json").write_text(json.dumps(low, indent=1))

@@ -23,7 +23,7 @@ def test_corpus_codes_start_with_the_whole_image_code(photos):
     img = photos["astronaut.png"]
     codes = sig.corpus_codes(img)
     assert len(codes) == sig.CORPUS_SIGNATURE_BYTES and codes[: sig.SIGNATURE_BYTES] == sig.compute(img)
-    assert sig.split_codes(codes) == [codes[:16], codes[16:]]
+    assert sig.split_codes(codes) == [codes[i: i + 16] for i in range(0, sig.CORPUS_SIGNATURE_BYTES, 16)]
     with pytest.raises(ValueError, match="corpus_codes"):
         sig.split_codes(b"x" * 17)
 
@@ -33,10 +33,18 @@ def test_corpus_photos_whose_crop_became_a_test_image_are_found(photos, transfor
     index = TestSetIndex()
     for i, name in enumerate(PHOTOS):
         index.add("bench", name, apply(transform, photos[name], seed=i), source=f"/test/{name}")
+    found = []
     for name in PHOTOS:
         matches = index.match(sig.content_hash(photos[name]), sig.corpus_codes(photos[name]))
-        assert matches and matches[0].key == name, (transform, name, matches)
-        assert matches[0].uri == f"/test/{name}"
+        assert all(m.key == name for m in matches), (transform, name, matches)  # never another photo
+        if matches:
+            assert matches[0].uri == f"/test/{name}"
+            found.append(name)
+    # A 10% cut on one side with 2% on the others is the one reverse crop below the
+    # 0.98 recall target (held-out 0.911, benchmarks/README.md): coffee.png sits at 28
+    # bits, over the inner codes' 24. Every other reverse crop finds all six.
+    missed = {"reverse_crop_10_left_q90": {"coffee.png"}}.get(transform, set())
+    assert set(found) == set(PHOTOS) - missed, (transform, found)
 
 
 def test_three_percent_crops_the_issue_planted_are_found_in_reverse(photos):
@@ -80,7 +88,7 @@ def test_search_corpus_is_exact_for_the_rule_in_both_directions():
     slow = index.search_corpus(queries, brute=True)
     assert len(fast[0]) > 30
     assert all(np.array_equal(a, b) for a, b in zip(fast, slow))
-    assert set(fast[3].tolist()) == {0, 1}
+    assert set(fast[3].tolist()) == set(range(sig.CORPUS_CODES))
 
 
 def test_forward_matches_report_their_direction(photos):
@@ -95,10 +103,12 @@ def test_forward_matches_report_their_direction(photos):
 
 # -- the job: a shard set built under the previous rule ---------------------------------------
 
-@pytest.fixture(scope="module")
-def old_shards(tmp_path_factory, photos):
-    """An ingest output as signature version 2 left it: whole-image phash only, state under the old rule."""
-    root = tmp_path_factory.mktemp("dedup_rev")
+@pytest.fixture(scope="module", params=[2, 3])
+def old_shards(request, tmp_path_factory, photos):
+    """An ingest output as signature version 2 (whole-image phash only) or 3 (whole image and one
+    inner crop) left it, with its dedup state under that rule."""
+    version = request.param
+    root = tmp_path_factory.mktemp(f"dedup_rev_v{version}")
     (root / "corpus").mkdir()
     (root / "tests").mkdir()
     for name in ("rocket.jpg", "china.jpg", "retina.jpg"):
@@ -114,32 +124,34 @@ def old_shards(tmp_path_factory, photos):
     mp.undo()
     shards = root / "shards"
     manifest = json.loads((shards / "manifest.json").read_text())
-    for entry in manifest["shards"]:  # keep the whole-image code only, as version 2 wrote it
+    kept = sig.SIGNATURE_BYTES * (version - 1)  # version 2 wrote one code, version 3 two
+    for entry in manifest["shards"]:
         path = shards / entry["path"]
         table = ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()  # not mapped: rewritten below
         i = table.schema.get_field_index("phash")
-        old = pa.array([p[: sig.SIGNATURE_BYTES] for p in table.column(i).to_pylist()], table.schema.field(i).type)
+        old = pa.array([p[:kept] for p in table.column(i).to_pylist()], table.schema.field(i).type)
         table = table.set_column(i, table.schema.field(i), old)
         with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
     from pipelines.testsets import build_test_set_index
 
     fingerprint = build_test_set_index({"cuts": str(root / "tests")}).fingerprint("cuts")
-    state = {"format": 1, "signature_version": 2, "threshold": 28, "rule": "0123456789abcdef",
+    state = {"format": 1, "signature_version": version, "threshold": 28, "rule": "0123456789abcdef",
              "shards": {e["sha256"]: {"path": e["path"], "test_sets": {"cuts": fingerprint}}
                         for e in manifest["shards"]}}
     (shards / "dedup_state.json").write_text(json.dumps(state))
-    return root
+    return root, version
 
 
 def test_a_shard_set_checked_under_the_previous_rule_is_rechecked_once(old_shards, monkeypatch):
     from dedup.job import DedupConfig, run
 
+    old_shards, version = old_shards
     monkeypatch.setenv("VITSCALE_HOME", str(old_shards / "mlruns"))
     shards = old_shards / "shards"
     cfg = DedupConfig(shards=str(shards), test_set=[f"cuts={old_shards / 'tests'}"])
     first = run(cfg)
-    assert first["rule_changed"] == "signature version 2 -> 3"
+    assert first["rule_changed"] == f"signature version {version} -> {sig.SIGNATURE_VERSION}"
     assert "match rule changed" in first["message"] and first["shards_checked"] == first["shards_total"]
     (row,) = [json.loads(line) for line in (shards / "removed.jsonl").read_text().splitlines()]
     assert Path(row["source"]).name == "rocket.png" and Path(row["test_uri"]).name == "rocket_cut.png"
