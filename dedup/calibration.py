@@ -15,6 +15,10 @@ that reproduces them: benchmarks/README.md, "Near-duplicate threshold and match 
 Reverse transforms (``transforms.REVERSE_TRANSFORMS``: the transformed image is the test
 image, cut from the original) index the transformed images and search the originals' corpus
 codes. ``low_texture.json`` records what the low-texture rule is for.
+
+Negatives are every ordered pair of distinct pool images. Tiles of one photo do not overlap,
+so they stay negatives (the hardest ones); the table also splits the false pairs into pairs of
+different source photos and pairs within one photo, so neither count hides the other.
 """
 from __future__ import annotations
 
