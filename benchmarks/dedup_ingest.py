@@ -7,7 +7,7 @@ index of ``--index`` test images (random codes under every crop variant, as
 ``benchmarks/dedup.py`` builds it, plus the photos' own test crops so some records match).
 Also timed, in the same run: the signatures alone (``signatures.compute``, the whole-image
 code the ingest stored before issue 15, against ``signatures.corpus_codes``, which adds the
-inner crop), and the item path with ``compute`` in place of ``corpus_codes``. CPU time of
+inner crops), and the item path with ``compute`` in place of ``corpus_codes``. CPU time of
 this process, loops interleaved, best of ``--repeats``. The last line is one JSON object.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/dedup_ingest.py [--n 24 --index 100000]

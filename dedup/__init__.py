@@ -10,7 +10,8 @@ What counts as a near-duplicate
 -------------------------------
 A corpus image duplicates a test image when their decoded pixels are identical
 (content hash), or when, for one of its codes ``q`` (``signatures.corpus_codes``:
-the whole image, and its 10%-per-side inner crop for test images cut from it)
+the whole image, and two inner crops for test images cut from it: its
+10%-per-side centre trimmed again and its 12%-per-side centre)
 and some crop variant ``v`` of the test image
 (``signatures.CROP_VARIANTS``: 29 crops of 0..10% per side, also taken
 before border trimming where that differs):
@@ -18,7 +19,8 @@ before border trimming where that differs):
 (a) one of the 6 leading 21-bit blocks of ``q`` and ``v`` differs in at most 1
     bit (the *block condition*), and
 (b) ``q`` and ``v`` differ in at most ``threshold`` of 128 bits (default
-    ``index.DEFAULT_THRESHOLD`` = 28).
+    ``index.DEFAULT_THRESHOLD`` = 28) for the whole-image code, 4 fewer
+    (``index.INNER_THRESHOLD_OFFSET``) for an inner crop.
 
 The search (``TestSetIndex.search``/``match``) is exact for this rule: it finds
 every pair the rule accepts and no other, and ``TestSetIndex.brute_force``

@@ -91,8 +91,8 @@ class Match(NamedTuple):
 
 
 # Which corpus code matched (signatures.corpus_codes): the whole corpus image
-# (it is a crop or copy of the test image) or its inner crop (the test image is
-# a crop of it).
+# (it is a crop or copy of the test image) or one of its inner crops (the test
+# image is a crop of it).
 FORWARD = "corpus_in_test"
 REVERSE = "test_in_corpus"
 

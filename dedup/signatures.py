@@ -119,20 +119,27 @@ def luminance(img: Image.Image) -> np.ndarray:
     return np.asarray(_luminance_image(img), dtype=np.float32)
 
 
-def trim_box(lum: np.ndarray | Image.Image) -> tuple[int, int, int, int]:
+def trim_box(lum: np.ndarray | Image.Image, region: tuple[int, int, int, int] | None = None
+             ) -> tuple[int, int, int, int]:
     """(left, top, right, bottom) of the content inside uniform borders, in pixels of ``lum``.
 
     ``lum`` is what :func:`luminance` returns, or the same values as a mode ``F`` image.
+    ``region`` (a mode ``F`` image only): trim that box of it instead, as if cropped (the
+    same result as ``trim_box(lum.crop(region))``, without copying the region); the box
+    returned is then in pixels of the region.
     """
     image = lum if isinstance(lum, Image.Image) else None
-    h, w = (image.height, image.width) if image is not None else lum.shape
+    if region is not None:
+        w, h = region[2] - region[0], region[3] - region[1]
+    else:
+        h, w = (image.height, image.width) if image is not None else lum.shape
     scale = max(h, w) / _TRIM_PROXY
     if scale > 1:
         image = image if image is not None else Image.fromarray(lum)
         proxy = np.asarray(image.resize(
-            (max(1, round(w / scale)), max(1, round(h / scale))), Image.BOX), dtype=np.float32)
+            (max(1, round(w / scale)), max(1, round(h / scale))), Image.BOX, box=region), dtype=np.float32)
     else:
-        proxy = np.asarray(lum, dtype=np.float32)
+        proxy = np.asarray(lum.crop(region) if region is not None else lum, dtype=np.float32)
         scale = 1.0
     ph, pw = proxy.shape
 
@@ -247,9 +254,8 @@ def inner_codes(lum: Image.Image) -> list[np.ndarray]:
         if not trim:
             out.append(_code(lum, crop))
             continue
-        inner = lum.crop(crop)
-        box = trim_box(inner)
-        out.append(_code(inner.crop(box) if box != (0, 0, inner.width, inner.height) else inner))
+        l, t, r, b = trim_box(lum, crop)  # the crop trimmed again, in its own pixels
+        out.append(_code(lum, (crop[0] + l, crop[1] + t, crop[0] + r, crop[1] + b)))
     return out
 
 
