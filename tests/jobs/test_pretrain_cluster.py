@@ -199,13 +199,18 @@ def test_submit_refuses_an_output_that_would_vanish(cluster, corpus):
 def test_two_workers_one_per_node(cluster, corpus, tmp_path):
     sid = f"two-node-{os.getpid()}-{time.time_ns()}"
     out_dir = tmp_path / "two"
+    # The store named by MLFLOW_TRACKING_URI this time (the README's test uses VITSCALE_HOME).
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = submit(cluster, ["--data", str(corpus), "--output", str(out_dir), *TINY, "--steps", "6", "--batch-size", "8",
                            "--num-workers", "2", "--resources-per-worker", '{"node_slot": 1}', "--checkpoint-every", "3"],
-                 runtime_env={"env_vars": {"VITSCALE_HOME": str(tmp_path / "home")}}, submission_id=sid)
+                 runtime_env={"env_vars": {"MLFLOW_TRACKING_URI": store}}, submission_id=sid)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((out_dir / "pretrain_summary.json").read_text())
     assert summary["nodes"] == 2, job_logs(cluster, sid)[-3000:]  # one worker on each node
     assert summary["steps"] == 6 and summary["restarts"] == 0
+    assert summary["model"] == str(out_dir / "model.safetensors") and Path(summary["model"]).is_file()
+    run = mlflow.MlflowClient(store).get_run(summary["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.metrics["steps"] == 6
 
 
 def test_killed_worker_restarts_and_resubmission_continues(cluster, corpus, tmp_path):
@@ -259,3 +264,13 @@ def test_killed_worker_restarts_and_resubmission_continues(cluster, corpus, tmp_
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     again = json.loads((out_dir / "pretrain_summary.json").read_text())
     assert again["steps"] == 420 and again["resumed_from_step"] == 400 and again["restarts"] == 0
+
+
+def test_both_nodes_listen_on_loopback_only(cluster, tcp_listeners, loopback_addresses):
+    """After the jobs above, every port of either node (GCS, dashboard, raylets, agents, workers) is on loopback."""
+    if tcp_listeners is None:
+        pytest.skip("reads /proc")
+    for pid in cluster["pids"]:
+        found = tcp_listeners(pid)
+        assert len(found) >= 4, found  # raylet's node and object managers, agents, and on the head GCS and dashboard
+        assert {addr for addr, _ in found} <= loopback_addresses, sorted(found)
