@@ -48,16 +48,15 @@ def selection(store: Store, experiments: list[str], run_ids: list[str]) -> list[
             picked.add(rid)
             picked.update(r.id for r in store.descendants(rid))
             # A demo run groups its stages by tag where they are not nested under it.
-            picked.update(r.id for r in store.runs.values() if r.tags.get("vitscale.demo_run_id") == rid)
+            picked.update(r.id for r in store.runs.values()
+                          if rid in (r.tags.get("vitscale.demo_run_id"), r.tags.get("vitscale.parent_run_id")))
             if run.stage not in STAGES and run.parent in store.runs:  # a trial picks its sweep
                 picked.add(run.parent)
     return sorted((store.runs[i] for i in picked if store.runs[i].stage in STAGES), key=lambda r: r.start)
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+def _fmt(value: float) -> str:
+    return f"{value:.3f}" if abs(value) < 100 else f"{value:.4g}"
 
 
 def _group_key(run: Run) -> str:
@@ -106,7 +105,7 @@ def _compared(run: Run, lineage: LineageIndex, store: Store) -> dict[str, str]:
         if tag in run.tags:
             values[label] = run.tags[tag]
     up = lineage.of(run).upstream
-    for stage in ("pretrain", "prepare", "dedup"):
+    for stage in ("pretrain", "finetune", "prepare", "dedup"):
         ids = up.get(stage, [])
         if ids or stage == "pretrain" and run.stage != "pretrain":
             values[f"lineage: {stage}"] = ", ".join(
@@ -142,8 +141,9 @@ def _verdict(runs: list[Run], metric: str, higher: bool, differing: list[str], v
         return f"No run logged {metric or 'a comparable metric'}; they cannot be ranked."
     b = best.metrics[metric]
     s = second.metrics.get(metric)
-    head = (f"{best.label} is best on {metric}: {b:.4g}"
-            + (f" against {s:.4g} for the runner-up {second.label} ({b - s:+.4g})." if s is not None else "."))
+    head = (f"{best.label} is best on {metric}: {_fmt(b)}"
+            + (f" against {_fmt(s)} for the runner-up {second.label} ({'+' if b >= s else ''}{_fmt(b - s)})."
+               if s is not None else "."))
     diffs = [n for n in differing if values[best.id].get(n) != values[second.id].get(n)]
     if not diffs:
         return head + (" The two share every param and input, so the gap is run-to-run variation "

@@ -13,7 +13,8 @@ CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:2em auto;max-width:1250px;color:#1d1d1f;padding:0 1em}
 h1{font-size:1.6em;margin-bottom:.2em} h2{border-bottom:2px solid #ddd;padding-bottom:.2em;margin-top:2em}
 h3{margin-bottom:.3em} .meta{color:#666} code{background:#f3f3f3;padding:0 .25em;border-radius:3px}
-table{border-collapse:collapse;margin:.5em 0 1em;font-size:13px} th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+table{border-collapse:collapse;margin:.5em 0 1em;font-size:13px;display:block;overflow-x:auto;max-width:100%}
+td{max-width:30em;overflow-wrap:anywhere} th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f6f6f6} td.num{text-align:right;font-variant-numeric:tabular-nums}
 td.diff{background:#fff1a8} tr.best td{font-weight:600} tr.sel td{background:#e6f4ea}
 .verdict{background:#eef4ff;border-left:4px solid #4c72b0;padding:.5em .8em;margin:.5em 0}
@@ -33,7 +34,7 @@ def e(value: Any) -> str:
 def num(value: Any, digits: int = 3) -> str:
     if value is None:
         return "—"
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+    if isinstance(value, float) and value.is_integer() and 2 <= abs(value) < 1e15:
         return str(int(value))  # counts, steps: MLflow stores every metric as a float
     if isinstance(value, float):
         return f"{value:.{digits}f}" if abs(value) < 1e4 else f"{value:.4g}"
@@ -197,15 +198,18 @@ def _lineage(entries: list[dict]) -> str:
             return "—"
         return ", ".join(x.label if isinstance(x, Run) else f"{x[:8]} (not in this store)" for x in items)
 
+    how = {"tags": "lineage tags", "paths": "inferred from paths in params",
+           "tags and paths": "lineage tags, the rest inferred from paths"}
+    finetuned = any(ent["upstream"].get("finetune") for ent in entries)
     rows = []
     for ent in entries:
         up = ent["upstream"]
         rows.append([run_cell(ent["run"]), td(ent["run"].stage), td(names(up.get("prepare", []))),
-                     td(names(up.get("dedup", []))), td(names(up.get("pretrain", []))),
-                     td(names(ent["downstream"]) if ent["run"].stage == "pretrain" else ""),
-                     td("lineage tags" if ent["source"] == "tags" else "inferred from paths in params")])
-    return (table(["run", "stage", "data: prepare runs", "data: dedup runs", "model: pretrain run",
-                   "fed (finetune, vtab, fewshot)", "how known"], rows)
+                     td(names(up.get("dedup", []))), td(names(up.get("pretrain", [])))]
+                    + ([td(names(up.get("finetune", [])))] if finetuned else [])
+                    + [td(names(ent["downstream"]) if ent["run"].stage == "pretrain" else ""), td(how[ent["source"]])])
+    return (table(["run", "stage", "data: prepare runs", "data: dedup runs", "model: pretrain run"]
+                  + (["model: finetune run"] if finetuned else []) + ["fed (finetune, vtab, fewshot)", "how known"], rows)
             + "<p>Runs logged with <code>vitscale.lineage.*</code> tags are linked by them. Older runs are linked "
               "through their params: the run that last wrote the shard set or model a run read, before it started.</p>")
 

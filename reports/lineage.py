@@ -1,10 +1,10 @@
 """Which runs fed which: prepare and dedup → pretrain → finetune, vtab and fewshot.
 
-A run that carries ``vitscale.lineage.<stage>`` tags (run ids, comma-separated) is taken at its
-word. A run logged before those tags existed is linked through the paths in its params: the
-run that last wrote a path before this run started (a prepare's ``output``, a pretrain's
-``output``/model.safetensors) is the one it read, and every dedup of that shard set in between
-counts. The report says which of the two each link came from.
+A run's ``vitscale.lineage.<stage>`` tags (run ids, comma-separated) are taken at their word. A
+stage a run has no such tag for (every stage, for a run logged before the tags existed) is
+linked through the paths in its params: the run that last wrote a path before this run started
+(a prepare's ``output``, a pretrain's ``output``/model.safetensors) is the one it read, and every
+dedup of that shard set in between counts. The report says which of the two each link came from.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import posixpath
 from reports.store import Run, Store, shard_set_name
 
 LINEAGE_TAG = "vitscale.lineage."
-UPSTREAM = ("prepare", "dedup", "pretrain")
+UPSTREAM = ("prepare", "dedup", "pretrain", "finetune")
 MODEL_FILE = "model.safetensors"
 # VTAB task folders hold these three shard sets (training/vtab_data.py).
 VTAB_SPLITS = ("train800", "val200", "test")
@@ -24,7 +24,14 @@ VTAB_SPLITS = ("train800", "val200", "test")
 class Lineage:
     run: Run
     upstream: dict[str, list[str]]  # stage -> run ids, oldest first
-    source: str  # "tags" or "paths"
+    tagged: set[str]  # the stages whose ids came from the run's lineage tags; the others from paths
+
+    @property
+    def source(self) -> str:
+        found = [s for s in UPSTREAM if self.upstream.get(s)]
+        if found and all(s in self.tagged for s in found):
+            return "tags"
+        return "tags and paths" if self.tagged & set(found) else "paths"
 
 
 def set_name(run: Run) -> str:
@@ -105,9 +112,8 @@ class LineageIndex:
         return self._cache[run.id]
 
     def _resolve(self, run: Run) -> Lineage:
-        tagged = {s: [i for i in run.tags.get(LINEAGE_TAG + s, "").split(",") if i.strip()] for s in UPSTREAM}
-        if any(tagged.values()):
-            return Lineage(run, {s: [i.strip() for i in ids] for s, ids in tagged.items()}, "tags")
+        tagged = {s: [i.strip() for i in run.tags[LINEAGE_TAG + s].split(",") if i.strip()]
+                  for s in UPSTREAM if LINEAGE_TAG + s in run.tags}
         up: dict[str, list[Run]] = {s: [] for s in UPSTREAM}
         sets, models = reads(run)
         for path in sets:
@@ -127,7 +133,7 @@ class LineageIndex:
             for stage in ("prepare", "dedup"):
                 up[stage] += [self.store.runs[i] for i in inherited.upstream[stage] if i in self.store.runs]
         ids = {s: list(dict.fromkeys(r.id for r in sorted(rs, key=lambda r: r.start))) for s, rs in up.items()}
-        return Lineage(run, ids, "paths")
+        return Lineage(run, {**ids, **tagged}, set(tagged))
 
     def downstream(self, run_id: str) -> list[Run]:
         """Runs whose lineage names ``run_id`` (a pretrain's finetune, vtab and fewshot runs, say)."""

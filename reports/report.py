@@ -67,7 +67,12 @@ def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict
     from common import tracking
     from common.fs import atomic_write
 
-    output = Path(cfg.output).expanduser().resolve()
+    from common.jobenv import durable_path, is_url
+
+    if is_url(cfg.output):
+        raise InputError(f"output: {cfg.output} is a URL; give a local file (the report also goes to MLflow as an "
+                         "artifact, wherever the store keeps artifacts)")
+    output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     _check_output(output)
     uri = tracking.tracking_uri()
     store = open_store(uri)

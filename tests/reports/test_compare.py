@@ -52,7 +52,7 @@ def test_the_best_run_is_named_with_the_params_that_differ(home):
     # Where a run wrote never explains a difference; what it trained on and how does.
     assert set(ft.differing) == {"steps", "lineage: pretrain"}
     assert "train" in ft.same and "output" not in ft.same
-    assert "0.88 against 0.81" in ft.verdict and "steps 1000 vs 500" in ft.verdict
+    assert "0.880 against 0.810" in ft.verdict and "(+0.070)" in ft.verdict and "steps 1000 vs 500" in ft.verdict
     page = html.render(compare.build(store, runs), {}, store_uri="x", selection="every experiment")
     # The runner-ups' differing cells: the finetune's steps and pretrain, the pretrain's epochs.
     assert page.count('class="diff"') == 3
