@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import posixpath
-from typing import Any
 
 from reports.lineage import LineageIndex, set_name
 from reports.store import STAGES, Run, Store

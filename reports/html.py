@@ -14,7 +14,7 @@ body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:2em aut
 h1{font-size:1.6em;margin-bottom:.2em} h2{border-bottom:2px solid #ddd;padding-bottom:.2em;margin-top:2em}
 h3{margin-bottom:.3em} .meta{color:#666} code{background:#f3f3f3;padding:0 .25em;border-radius:3px}
 table{border-collapse:collapse;margin:.5em 0 1em;font-size:13px;display:block;overflow-x:auto;max-width:100%}
-td{max-width:30em;overflow-wrap:anywhere} th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
+td{max-width:30em;overflow-wrap:break-word} th,td{border:1px solid #ddd;padding:3px 8px;text-align:left;vertical-align:top}
 th{background:#f6f6f6} td.num{text-align:right;font-variant-numeric:tabular-nums}
 td.diff{background:#fff1a8} tr.best td{font-weight:600} tr.sel td{background:#e6f4ea}
 .verdict{background:#eef4ff;border-left:4px solid #4c72b0;padding:.5em .8em;margin:.5em 0}

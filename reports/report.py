@@ -97,7 +97,7 @@ def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict
                             run_name="report " + (chosen if len(chosen) < 200 else f"{len(runs)} runs"),
                             tags=tags) as run:
         tracking.log_metrics({"runs": len(runs), **{f"runs.{s}": sum(r.stage == s for r in runs) for s in STAGES}})
-        tracking.log_artifact(output)
+        _log_bytes(page.encode("utf-8"), REPORT_FILE)  # one name in every report run, whatever --output says
         for name, png in pngs.items():
             if png:
                 slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
@@ -116,4 +116,5 @@ def _log_bytes(data: bytes, artifact_file: str) -> None:
     with tempfile.TemporaryDirectory(prefix="vitscale-report-") as tmp:
         path = Path(tmp) / Path(artifact_file).name
         path.write_bytes(data)
-        tracking.log_artifact(path, str(Path(artifact_file).parent))
+        folder = str(Path(artifact_file).parent)
+        tracking.log_artifact(path, None if folder == "." else folder)

@@ -61,8 +61,15 @@ def stage_runs(client, stage: str) -> list:
     return client.search_runs(exps, filter_string=f"tags.`vitscale.stage` = '{stage}'")
 
 
+def prepare_ids(client, work) -> dict[str, str]:
+    """The demo's prepare runs by the shard set they wrote (corpus, digits-train, digits-test)."""
+    return {os.path.basename(r.data.params["output"]): r.info.run_id for r in stage_runs(client, "prepare")
+            if os.path.dirname(r.data.params["output"]) == str(work / "shards")}
+
+
 def test_the_demo_ends_with_a_report_of_every_section(small_demo, store):
     s = small_demo["summary"]
+    prepared = prepare_ids(store, small_demo["work"])
     page = open(s["report"], encoding="utf-8").read()
     for name in SECTIONS:
         section(page, name)
@@ -96,17 +103,18 @@ def test_the_demo_ends_with_a_report_of_every_section(small_demo, store):
     dedup = section(page, "dedup")
     [removed] = pngs(dedup)
     assert_real_plot(removed)
-    corpus = s["prepare"]["corpus"]
-    row = next(r for r in re.findall(r"<tr>(.*?)</tr>", dedup, re.S) if "corpus" in r and corpus["mlflow_run_id"][:8] in r)
+    row = next(r for r in re.findall(r"<tr>(.*?)</tr>", dedup, re.S) if prepared["corpus"][:8] in r)
     cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
-    assert cells[-1] == str(corpus["counts"]["duplicates"]["digits_test"]) == str(s["data"]["planted"])
+    assert cells[-1] == str(s["prepare"]["corpus"]["duplicates"]["digits_test"]) == str(s["data"]["planted"])
 
     # The fine-tuned model's lineage: the pretrain run, and the prepare runs of the corpus and of digits.
     lineage = section(page, "lineage")
-    fine_row = next(r for r in re.findall(r"<tr>(.*?)</tr>", lineage, re.S) if s["finetune"]["mlflow_run_id"][:8] in r)
+    fine_row = next(r for r in re.findall(r"<tr>(.*?)</tr>", lineage, re.S)
+                    if r.startswith(f'<td title="{s["finetune"]["mlflow_run_id"]}'))
     assert s["pretrain"]["mlflow_run_id"][:8] in fine_row
-    for name in ("corpus", "digits_train", "digits_test"):
-        assert s["prepare"][name]["mlflow_run_id"][:8] in fine_row
+    assert {"corpus", "digits-train", "digits-test"} <= set(prepared)
+    for run_id in prepared.values():
+        assert run_id[:8] in fine_row
 
 
 def test_the_report_is_logged_as_a_report_run(small_demo, store, tmp_path):
