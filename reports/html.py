@@ -101,7 +101,7 @@ def _pretraining(section: dict, png: bytes | None) -> str:
     keys = ["train_loss", "train_accuracy", "holdout_accuracy", "images_per_second", "steps", "planned_steps"]
     keys += sorted({k for r in runs for k in r.metrics if k.startswith("fewshot_") and k.endswith("_accuracy")})
     keys = [k for k in keys if any(k in r.metrics for r in runs)]
-    params = ["variant", "depth", "img_size", "epochs", "steps", "batch_size", "lr", "num_workers", "data"]
+    params = ["variant", "depth", "img_size", "epochs", "batch_size", "lr", "num_workers", "data"]
     params = [p for p in params if any(p in r.params for r in runs)]
     rows = [[run_cell(r)] + [td(r.metrics.get(k), numeric=True) for k in keys] + [td(r.params.get(p, "—")) for p in params]
             for r in runs]
