@@ -89,8 +89,11 @@ def finetune_by_lr(entries: list[dict], title: str) -> bytes | None:
             if e.get("test_accuracy") is not None:
                 ax.plot([sel], [e["test_accuracy"]], "*", markersize=13, color=colour,
                         label=f"{e['run'].label} retrained at lr {sel:g}: test {e['test_accuracy']:.3f}")
-    if all(t["lr"] > 0 for e in entries for t in e["trials"]):
+    lrs = sorted({t["lr"] for e in entries for t in e["trials"]})
+    if all(lr > 0 for lr in lrs):
         ax.set_xscale("log")
+        ax.minorticks_off()
+    ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])
     ax.set_xlabel("learning rate")
     ax.set_ylabel("top-1 accuracy")
     ax.set_ylim(0, 1.02)
