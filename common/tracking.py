@@ -106,7 +106,9 @@ def _setup(experiment: str):
     if exp is None:
         artifact_location = None
         if uri.startswith("sqlite:///"):
-            art = home() / "artifacts"
+            # Beside the database: a store named only by MLFLOW_TRACKING_URI stays one folder,
+            # and never falls back to ./mlruns (under `ray job submit`, Ray's throwaway copy).
+            art = Path(uri[len("sqlite:///"):]).expanduser().resolve().parent / "artifacts"
             art.mkdir(parents=True, exist_ok=True)
             artifact_location = art.as_uri()
         try:

@@ -124,6 +124,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from common import tracking
     from common.fs import atomic_write, make_output_dir
     from demo import data as demo_data
+    from reports.report import ReportConfig, run_report
     from training.finetune import FinetuneConfig, run_finetune
     from training.pretrain import PretrainConfig, run_pretrain
     from training.ray_utils import init_ray
@@ -209,6 +210,11 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         tracking.log_dict(summary, "demo_summary.json")
         tracking.log_text(format_table(summary), "demo_results.txt")
     atomic_write(work / "demo_summary.json", json.dumps(summary, indent=2, default=str))
+    # Every run of the store, this demo's and any earlier one's, side by side (jobs/report.py).
+    report = run_report(ReportConfig(output=str(work / "report.html")),
+                        tags={"vitscale.demo_run_id": demo_run.info.run_id})
+    summary["report"] = report["output"]
+    atomic_write(work / "demo_summary.json", json.dumps(summary, indent=2, default=str))
     return summary
 
 
@@ -253,4 +259,6 @@ def format_table(s: dict[str, Any]) -> str:
         "Open the MLflow UI on this store:",
         f"  {s['mlflow_ui']}",
     ]
+    if s.get("report"):
+        lines += ["", "Comparison report of every run in this store (jobs/report.py):", f"  {s['report']}"]
     return "\n".join(lines)

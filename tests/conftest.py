@@ -36,7 +36,10 @@ def _free_port() -> int:
 
 def _stop_process_group(proc: subprocess.Popen) -> None:
     """Stop a server started with ``start_new_session=True``, children included: TERM, then KILL."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:  # the whole group has exited already
+        return
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:

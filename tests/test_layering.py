@@ -7,7 +7,8 @@ From the bottom up (README, "Layout"):
     pipelines/     the Beam ingest, the shard schema and readers
     dedup jobs     registry, rescan, job, calibration: read corpora and shard sets through pipelines
     training/      pre-training, fine-tuning, VTAB and few-shot, their loaders and Ray helpers
-    demo/          the end-to-end demo and its generated data
+    reports/       the comparison report: reads the MLflow store the stages wrote
+    demo/          the end-to-end demo and its generated data (it ends with a report)
     jobs/ benchmarks/ infra/   entrypoints and tools
 A module may import its own package and anything of a lower layer; vitcore and common import
 only themselves. No two modules may import each other, directly or round a longer loop.
@@ -18,10 +19,10 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT = ("common", "vitcore", "dedup", "pipelines", "training", "demo", "jobs", "benchmarks", "infra")
+PROJECT = ("common", "vitcore", "dedup", "pipelines", "training", "reports", "demo", "jobs", "benchmarks", "infra")
 DEDUP_CORE = {"dedup", "dedup.signatures", "dedup.index", "dedup.transforms", "dedup.report"}
-LAYER = {"common": 0, "vitcore": 0, "dedup_core": 1, "pipelines": 2, "dedup": 3, "training": 4, "demo": 5,
-         "jobs": 6, "benchmarks": 6, "infra": 6}
+LAYER = {"common": 0, "vitcore": 0, "dedup_core": 1, "pipelines": 2, "dedup": 3, "training": 4, "reports": 5,
+         "demo": 6, "jobs": 7, "benchmarks": 7, "infra": 7}
 SELF_CONTAINED = {"common", "vitcore"}
 
 

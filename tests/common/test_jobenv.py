@@ -67,3 +67,14 @@ def test_a_deleted_cwd_still_resolves(in_copy, monkeypatch):
     os.rmdir(in_copy / "jobs")
     os.rmdir(in_copy)
     assert jobenv.submitted_copy() == in_copy
+
+
+def test_an_absolute_sqlite_store_keeps_its_artifacts_beside_it(in_copy, tmp_path, monkeypatch):
+    # Only MLFLOW_TRACKING_URI set, as a user passes it to `ray job submit`: the artifacts go
+    # beside the database, not to ./mlruns in Ray's copy (which used to refuse the run).
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'store' / 'mlflow.db'}")
+    with tracking.start_run("test") as run:
+        tracking.log_text("hello", "note.txt")
+    assert (tmp_path / "store" / "artifacts").is_dir()
+    assert run.info.artifact_uri.startswith((tmp_path / "store" / "artifacts").as_uri())
+    assert not (in_copy / "mlruns").exists()

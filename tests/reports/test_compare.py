@@ -1,0 +1,77 @@
+"""Ranking and lineage on runs logged through common.tracking into a real sqlite store.
+
+The runs carry the params and metrics the stages log, without training anything: what is tested
+is how the report reads and compares them (tests/reports/test_report.py runs the real chain).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from common import tracking
+from reports import compare, html
+from reports.lineage import LineageIndex
+from reports.store import open_store
+
+FINETUNE = {"train": "/data/shards/pets-train", "test": "/data/shards/pets-test", "steps": "500", "batch_size": "512",
+            "seed": "0", "dataset": "None"}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path))
+    for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "VITSCALE_PARENT_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path
+
+
+def log(stage: str, params: dict, metrics: dict, *, name: str | None = None, tags: dict | None = None) -> str:
+    with tracking.start_run(stage, params=params, run_name=name, tags=tags) as run:
+        tracking.log_metrics(metrics)
+    time.sleep(0.01)  # distinct start times: lineage orders writers by them
+    return run.info.run_id
+
+
+def test_the_best_run_is_named_with_the_params_that_differ(home):
+    prep = log("prepare", {"output": "/data/shards/pets-train", "test_set": "[]"}, {"inputs": 100})
+    pre_a = log("pretrain", {"data": "/data/shards/corpus", "output": "/runs/a", "epochs": "7"}, {"holdout_accuracy": 0.5})
+    fa = log("finetune", {**FINETUNE, "pretrained": "/runs/a/model.safetensors", "output": "/ft/1"},
+             {"test_accuracy": 0.81, "selected_lr": 0.01})
+    pre_b = log("pretrain", {"data": "/data/shards/corpus", "output": "/runs/a", "epochs": "14"}, {"holdout_accuracy": 0.6})
+    fb = log("finetune", {**FINETUNE, "pretrained": "/runs/a/model.safetensors", "output": "/ft/2", "steps": "1000"},
+             {"test_accuracy": 0.88, "selected_lr": 0.03})
+    store = open_store(tracking.tracking_uri())
+    runs = compare.selection(store, [], [])
+    [ft] = [r for r in compare.rank(store, runs, LineageIndex(store)) if r.stage == "finetune"]
+    assert [r.id for r in ft.runs] == [fb, fa]
+    # The same model path was written twice: each finetune read the pretrain that last wrote it before it started.
+    assert ft.values[fb]["lineage: pretrain"].endswith(f"({pre_b[:8]})")
+    assert ft.values[fa]["lineage: pretrain"].endswith(f"({pre_a[:8]})")
+    assert ft.values[fa]["lineage: prepare"].endswith(f"({prep[:8]})")
+    # Where a run wrote never explains a difference; what it trained on and how does.
+    assert set(ft.differing) == {"steps", "lineage: pretrain"}
+    assert "train" in ft.same and "output" not in ft.same
+    assert "0.880 against 0.810" in ft.verdict and "(+0.070)" in ft.verdict and "steps 1000 vs 500" in ft.verdict
+    page = html.render(compare.build(store, runs), {}, store_uri="x", selection="every experiment")
+    # The runner-ups' differing cells: the finetune's steps and pretrain, the pretrain's epochs.
+    assert page.count('class="diff"') == 3
+
+
+def test_lineage_tags_win_over_paths(home):
+    prep = log("prepare", {"output": "/data/shards/corpus"}, {"inputs": 10})
+    dedup = log("dedup", {"shards": "/data/shards/corpus", "test_set": '["pets=/data/pets/test"]'},
+                {"new_removals": 3, "removed.pets": 3})
+    other = log("prepare", {"output": "/elsewhere"}, {"inputs": 10})
+    tagged = log("pretrain", {"data": "/data/shards/corpus", "output": "/runs/t"}, {"train_loss": 1.0},
+                 tags={"vitscale.lineage.prepare": other, "vitscale.lineage.dedup": ""})
+    inferred = log("pretrain", {"data": "/data/shards/corpus", "output": "/runs/u"}, {"train_loss": 1.0})
+    store = open_store(tracking.tracking_uri())
+    index = LineageIndex(store)
+    t = index.of(store.runs[tagged])
+    assert t.source == "tags" and t.upstream["prepare"] == [other] and t.upstream["dedup"] == []
+    i = index.of(store.runs[inferred])
+    assert i.source == "paths" and i.upstream["prepare"] == [prep] and i.upstream["dedup"] == [dedup]
+    section = compare.dedup_section(compare.selection(store, [], []))
+    row = next(r for r in section["rows"] if r["run"].id == dedup)
+    assert row["counts"] == {"pets": 3} and section["test_sets"] == ["pets"]
