@@ -51,7 +51,9 @@ NOISE = (
     r"Failed to send resource request for train-.*safe to ignore",
     r"\(TrainController pid=[^)]*\)\S* (Requesting resources|- \(ip=)",
     r"\(RayTrainWorker pid=[^)]*\)\S* (Setting up process group|Moving model to device|Wrapping provided model"
-    r"|Checkpoint successfully created|Reporting training result)",
+    r"|Reporting training result)",
+    # Every report with a checkpoint, from Train workers and Tune trials alike.
+    r"pid=[^)]*\)\S* Checkpoint successfully created at: ",
     r"TrainingReport\(",
     # Ray Tune's pointer to TensorBoard logs this project does not write.
     r"To visualize your results with TensorBoard",
