@@ -647,8 +647,14 @@ class StepProgress:
     def tick(self) -> None:
         import ray
 
+        latest = None  # of the step rows since the last tick, only the newest is worth a line
         for row in ray.get(self.board.take.remote(), timeout=30):
-            self.show(row)
+            if row["kind"] == "step":
+                latest = row
+            else:
+                self.show(row)
+        if latest is not None:
+            self.show(latest)
 
     def show(self, row: dict) -> None:
         if row["kind"] == "step":
