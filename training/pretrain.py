@@ -643,6 +643,7 @@ class StepProgress:
     def __init__(self, line: ProgressLine, board) -> None:
         self.line, self.board = line, board
         self._anchor: tuple[float, int] | None = None
+        self._reported = -1  # the step of the last report shown
 
     def tick(self) -> None:
         import ray
@@ -653,7 +654,7 @@ class StepProgress:
                 latest = row
             else:
                 self.show(row)
-        if latest is not None:
+        if latest is not None and latest["step"] > self._reported:
             self.show(latest)
 
     def show(self, row: dict) -> None:
@@ -666,6 +667,7 @@ class StepProgress:
                              f"loss {row['loss']:.4f}, {row['images_per_second']:.1f} img/s"
                              + eta_text(step - s0, end - s0, row["time"] - t0))
         else:
+            self._reported = row["step"]
             held = (f", held-out loss {row['holdout_loss']:.4f} accuracy {row['holdout_accuracy']:.3f}"
                     if "holdout_accuracy" in row else "")
             self.line.above(f"epoch {row['epoch']} to step {row['step']}/{row['total']}: train loss "
