@@ -17,12 +17,13 @@ the entrypoint's flags without a parameter at every layer.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, TextIO
+from typing import Callable, Iterator, TextIO
 
 VERBOSE_ENV = "VITSCALE_VERBOSE"
 PROGRESS_ENV = "VITSCALE_PROGRESS_EVERY"
@@ -104,6 +105,20 @@ def configure(*, verbose: bool | None = None, every: float | None = None) -> Non
         os.environ[VERBOSE_ENV] = "1" if verbose else "0"
     if every is not None:
         os.environ[PROGRESS_ENV] = repr(float(every))
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No progress lines for the duration (short steps of a longer job, which reports them its own way)."""
+    before = os.environ.get(PROGRESS_ENV)
+    os.environ[PROGRESS_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(PROGRESS_ENV, None)
+        else:
+            os.environ[PROGRESS_ENV] = before
 
 
 def console() -> tuple[TextIO, bool]:
