@@ -1,7 +1,8 @@
 """Live counts of a running ingest, for its progress line.
 
-Beam's metrics are no use for this on the DirectRunner: its multi-process mode hands them
-to the driver only when a stage's bundles finish, and the DaskRunner reports none. So each
+Beam's metrics are no use for this: the DirectRunner (FnApiRunner) runs the whole pipeline
+inside ``run()`` and returns its result, the only handle on the metrics, when everything has
+finished, and Beam's DaskRunner reports none (:mod:`pipelines.dask_runner`). So each
 worker process appends what it has counted to a file of its own under the run's staging
 folder (one short line per event, ``written with os.write`` on an ``O_APPEND`` descriptor,
 so a line is never half there for long and never interleaved), and the driver sums the
@@ -106,8 +107,8 @@ def known_inputs(units) -> int | None:
 class IngestProgress:
     """The ``prepare`` progress line: counts from :class:`Totals`, a rate and an ETA.
 
-    The rate is items decoded and validated per second since the first of them (worker
-    start-up excluded); the ETA is the items left at that rate, shown while the total is
+    The rate is items decoded and validated per second since the last look that found no
+    work started (worker start-up excluded); the ETA is the items left at that rate, shown while the total is
     known (from the plan, else from the units read) and items are left to process.
     """
 
@@ -119,6 +120,7 @@ class IngestProgress:
         self._clock = clock or time.monotonic
         self.t0 = self._clock()
         self._first: float | None = None
+        self._empty = self.t0
         self._processed = (0, 0.0)  # the last processed count and when it was first seen
 
     def text(self) -> str:
@@ -129,9 +131,10 @@ class IngestProgress:
         if self.totals.directory is None:
             return f"running for {duration(now - self.t0)} (live counts need the staging folder on a local or mounted filesystem)"
         if not c["units"]:
-            return f"starting workers ({duration(now - self.t0)})"
+            self._empty = now
+            return f"starting ({duration(now - self.t0)})"
         if self._first is None:
-            self._first = now
+            self._first = self._empty  # the work began after the last look that found none
         if c["processed"] != self._processed[0]:
             self._processed = (c["processed"], now)
         # The rate of decoding while it lasts; it stays put while the shards are written.

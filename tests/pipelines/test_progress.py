@@ -91,7 +91,7 @@ def test_a_tar_source_counts_units_until_its_items_are_known(tmp_path, corpus):
     channel.mkdir()
     line = ProgressLine("prepare", stream=open(os.devnull, "w"), every=1e-9)
     watch = progress.IngestProgress(line, str(channel), units)
-    assert watch.text().startswith("starting workers")
+    assert watch.text().startswith("starting")
     progress.count(str(channel), units=1, inputs=11)
     progress.count(str(channel), processed=4, rejected=1)
     assert watch.text().startswith("11 inputs seen (1/1 units), 4 processed, 0 written, 1 quarantined, 0 duplicates;")

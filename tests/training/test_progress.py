@@ -75,3 +75,20 @@ def test_a_sweep_prints_a_line_per_trial_with_its_state_and_metric(ray_session, 
     assert ours[-1] == "finetune select: 1 done, 1 failed of 2"
     # Tune's own experiment output (status boxes, the TensorBoard hint) stays off.
     assert "tensorboard" not in err.lower() and "Trial status" not in err
+
+
+def test_fewshot_prints_a_line_per_task_with_its_accuracies(tmp_path_factory, build_task_dirs, build_pretrained,
+                                                           tmp_path, mlflow_store, capsys):
+    from training.fewshot import FewshotConfig, run_fewshot
+
+    tasks = build_task_dirs(tmp_path_factory.mktemp("fewshot"), ["count"], train=40, test=10, train_size=24,
+                            val_size=8)
+    pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
+    capsys.readouterr()
+    summary = run_fewshot(FewshotConfig(pretrained=str(pretrained), task=[f"structured/count={tasks['count']}"],
+                                        output=str(tmp_path / "o"), shots=[1, 2], draws=1))
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fewshot: ")]
+    assert ours[0] == "fewshot: task count (1/1): RUNNING, extracting features"
+    shots = summary["tasks"]["count"]["shots"]
+    assert re.fullmatch(rf"fewshot: task count \(1/1\): done in \S+, 1-shot accuracy {shots['1']['mean']:.3f}, "
+                        rf"2-shot accuracy {shots['2']['mean']:.3f}", ours[-1]), ours
