@@ -151,8 +151,8 @@ class IngestProgress:
             text += eta_text(c["processed"], total, now - self._first)
         elif c["units"] == self.units and c["processed"] >= c["inputs"]:
             accounted = c["written"] + c["rejected"] + c["duplicates"] >= c["inputs"]
-            text += "; finishing" if accounted else "; writing shards"
-        return text
+            text += "; every item accounted for, the runner is finishing" if accounted else "; writing shards"
+        return text + f" ({duration(now - self.t0)} in)"
 
     def tick(self) -> None:
         self.line.update(self.text())
