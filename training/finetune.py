@@ -24,6 +24,7 @@ same MLflow run.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -35,6 +36,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from common import progress
 from common.config import ConfigError, check
 from training.pretrain import MODEL_FILE
 
@@ -369,7 +371,26 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
                                       callbacks=[TrialLines(f"{prog} {name}", label, metric)],
                                       failure_config=tune.FailureConfig(max_failures=max_failures)),
         )
-    return tuner.fit()
+    # Tune's current output engine prints its experiment box and a TensorBoard hint to stdout
+    # even at verbose=0; the older one, which Tune reads this variable for, honours verbose=0.
+    with _env("RAY_AIR_NEW_OUTPUT", None if progress.verbose() else "0"):
+        return tuner.fit()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """``os.environ[name] = value`` for the duration (None: leave it as it is)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
 
 
 def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Iterable[str] = ()) -> dict | None:

@@ -67,14 +67,15 @@ def test_a_sweep_prints_a_line_per_trial_with_its_state_and_metric(ray_session, 
     grid = tune_sweep(_trial, {"lr": tune.grid_search([0.25, -1.0])}, name="select", output=tmp_path,
                       resources={"cpu": 1}, metric="val_accuracy")
     assert len(grid) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     ours = [line for line in err.splitlines() if line.startswith("finetune select: ")]
     assert "finetune select: trial lr=0.25: RUNNING" in ours
     assert "finetune select: trial lr=0.25: TERMINATED, step 2, val_accuracy 0.5000" in ours
     assert any(line.startswith("finetune select: trial lr=-1: ERROR") for line in ours), ours
     assert ours[-1] == "finetune select: 1 done, 1 failed of 2"
-    # Tune's own experiment output (status boxes, the TensorBoard hint) stays off.
-    assert "tensorboard" not in err.lower() and "Trial status" not in err
+    # Tune's own experiment output (its experiment box, the TensorBoard hint, trial tables) stays off.
+    for text in ("Configuration for experiment", "tensorboard", "Trial status", "View detailed results"):
+        assert text.lower() not in (out + err).lower()
 
 
 def test_fewshot_prints_a_line_per_task_with_its_accuracies(tmp_path_factory, build_task_dirs, build_pretrained,
