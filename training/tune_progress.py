@@ -1,9 +1,9 @@
 """The console of a Ray Tune sweep: plain lines per trial instead of Tune's boxes.
 
 Tune's own output (experiment boxes, trial tables, the TensorBoard hint) is off
-(``verbose=0``); :class:`TrialLines` prints, on the driver, a line when a trial starts,
-finishes or fails (trial, state, its metric) and a status line in between with the
-trials per state and the latest result.
+(``verbose=0``); :class:`TrialLines` prints, on the driver, a line when a trial finishes
+or fails (trial, state, its metric) and a status line in between with the trials per
+state and the latest result or start.
 """
 from __future__ import annotations
 
@@ -55,16 +55,17 @@ class TrialLines(tune.Callback):
             parts.append(f"{self.metric} {result[self.metric]:.4f}")
         return ", ".join(parts) or "no result yet"
 
-    def _states(self, trials) -> str:
+    def _states(self, trials, starting=None) -> str:
         counts: dict[str, int] = {}
         for t in trials:
-            counts[t.status] = counts.get(t.status, 0) + 1
+            status = "RUNNING" if t is starting else t.status  # Tune calls on_trial_start just before
+            counts[status] = counts.get(status, 0) + 1
         order = ("TERMINATED", "RUNNING", "PENDING", "PAUSED", "ERROR")
         words = {"TERMINATED": "done", "RUNNING": "running", "PENDING": "pending", "PAUSED": "paused", "ERROR": "failed"}
         return ", ".join(f"{counts[s]} {words[s]}" for s in order if counts.get(s)) + f" of {len(trials)}"
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
-        self.line.above(f"trial {self.label(trial)}: RUNNING")
+        self.line.update(f"{self._states(trials, trial)} | {self.label(trial)}: started")
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         self.line.update(f"{self._states(trials)} | {self.label(trial)}: {self.score(result)}")

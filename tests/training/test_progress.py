@@ -59,8 +59,10 @@ def _trial(config: dict) -> None:
         tune.report({"step": step, "val_accuracy": config["lr"] * step})
 
 
-def test_a_sweep_prints_a_line_per_trial_with_its_state_and_metric(ray_session, tmp_path, capsys):
+def test_a_sweep_prints_a_line_per_trial_with_its_state_and_metric(ray_session, tmp_path, capsys, monkeypatch):
     from ray import tune
+
+    monkeypatch.setenv("VITSCALE_PROGRESS_EVERY", "1e-9")  # every status update, not one per 15 s
 
     from training.finetune import tune_sweep
 
@@ -69,7 +71,11 @@ def test_a_sweep_prints_a_line_per_trial_with_its_state_and_metric(ray_session, 
     assert len(grid) == 2
     out, err = capsys.readouterr()
     ours = [line for line in err.splitlines() if line.startswith("finetune select: ")]
-    assert "finetune select: trial lr=0.25: RUNNING" in ours
+    # The status line: trials per state, then the trial that started or reported.
+    assert any(re.fullmatch(r"finetune select: 1 running, 1 pending of 2 \| lr=(0\.25|-1): started", line)
+               for line in ours), ours
+    assert any(re.fullmatch(r"finetune select: .* of 2 \| lr=0\.25: step 1, val_accuracy 0\.2500", line)
+               for line in ours), ours
     assert "finetune select: trial lr=0.25: TERMINATED, step 2, val_accuracy 0.5000" in ours
     assert any(line.startswith("finetune select: trial lr=-1: ERROR") for line in ours), ours
     assert ours[-1] == "finetune select: 1 done, 1 failed of 2"
