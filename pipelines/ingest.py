@@ -618,10 +618,14 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             channel = progress.channel_dir(staging, fs)
             line = ProgressLine("prepare")
             watch = progress.IngestProgress(line, channel, units)
-            with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0):
-                with beam.Pipeline(options=options) as p:
-                    build_pipeline(p, units, cfg, label_map, index, out_url, fs.unstrip_protocol(staging), channel)
-            watch.finish()
+            try:
+                with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0):
+                    with beam.Pipeline(options=options) as p:
+                        build_pipeline(p, units, cfg, label_map, index, out_url, fs.unstrip_protocol(staging),
+                                       channel)
+                watch.finish()
+            finally:
+                progress.close(channel)  # the in-process runner's counts file is this process's
             outputs = _read_staging(fs, staging)
             try:
                 manifest, quarantine, duplicates = _summarise(outputs, cfg, label_map, test_sets)
