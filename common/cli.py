@@ -5,6 +5,7 @@ import json
 import sys
 from typing import Any, Callable, Sequence, TypeVar
 
+from common import progress
 from common.config import InputError, parse_args
 
 T = TypeVar("T")
@@ -23,8 +24,17 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     libraries raise as subclasses of ``InputError``) exit 2 with one line that
     names the field or file. ``failures`` are a job's own failed checks (counts that do
     not reconcile, say): one line, exit 1. Anything else is a bug and keeps its traceback.
+
+    Every entrypoint also takes ``--verbose`` and ``--progress-every SECONDS``
+    (:mod:`common.progress`); without ``--verbose`` the console of a process started from
+    the command line is filtered of known noise.
     """
-    cfg = parse_args(cls, argv, prog=prog)
+    console: dict[str, Any] = {}
+    cfg = parse_args(cls, argv, prog=prog, console=console)
+    verbose = console.get("verbose", getattr(cfg, "verbose", None))
+    progress.configure(verbose=None if verbose is None else bool(verbose), every=console.get("progress_every"))
+    if argv is None:  # a process's own command line; a caller passing argv (a test) keeps its stderr
+        progress.quiet_console()
     try:
         result = runner(cfg)
     except InputError as exc:

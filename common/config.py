@@ -205,13 +205,28 @@ def _join_dash_values(parser: argparse.ArgumentParser, argv: Sequence[str]) -> l
     return out
 
 
-def build_parser(cls: type, *, prog: str | None = None, description: str | None = None) -> argparse.ArgumentParser:
+#: The console flags every entrypoint takes besides its config's fields (not part of the config:
+#: they change what the console shows, never the result, so they stay out of its params and hash).
+CONSOLE_FLAGS = ("verbose", "progress_every")
+
+
+def build_parser(cls: type, *, prog: str | None = None, description: str | None = None,
+                 console: bool = False) -> argparse.ArgumentParser:
     parser = _Parser(
         prog=prog,
         description=description or (cls.__doc__ or "").strip().splitlines()[0],
     )
     parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of field: value; flags override it")
-    for name, (f, tp) in _fields(cls).items():
+    fields = _fields(cls)
+    if console:
+        if "verbose" not in fields:
+            parser.add_argument("--verbose", dest="verbose", nargs="?", const="true", default=argparse.SUPPRESS,
+                                help="show every log line of Beam, Ray and MLflow; by default the console hides "
+                                     "start-up and tear-down chatter that needs no action [true or false; default: False]")
+        parser.add_argument("--progress-every", dest="progress_every", metavar="SECONDS", default=argparse.SUPPRESS,
+                            help="seconds between progress lines when stderr is not a terminal (a terminal gets one "
+                                 "line redrawn every second); 0 turns progress off [a number; default: 15.0]")
+    for name, (f, tp) in fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else (
@@ -231,11 +246,27 @@ def build_parser(cls: type, *, prog: str | None = None, description: str | None 
     return parser
 
 
-def parse_args(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None) -> T:
-    """Parse ``argv`` into ``cls``: config file first, then flags. Exits 2 with a one-line message on error."""
-    parser = build_parser(cls, prog=prog)
+def parse_args(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | None = None,
+               console: dict[str, Any] | None = None) -> T:
+    """Parse ``argv`` into ``cls``: config file first, then flags. Exits 2 with a one-line message on error.
+
+    With ``console`` (a dict), the console flags (:data:`CONSOLE_FLAGS`) are accepted too and
+    their values put there; a config field of the same name (``verbose``) keeps its value.
+    """
+    parser = build_parser(cls, prog=prog, console=console is not None)
     ns = vars(parser.parse_args(_join_dash_values(parser, sys.argv[1:] if argv is None else argv)))
     config_path = ns.pop("config", None)
+    if console is not None:
+        own = _fields(cls)
+        try:
+            if "progress_every" in ns and "progress_every" not in own:
+                every = _coerce("progress_every", float, ns.pop("progress_every"))
+                check(every >= 0, "progress_every", f"must be 0 (off) or a positive number of seconds, got {every}")
+                console["progress_every"] = every
+            if "verbose" in ns and "verbose" not in own:
+                console["verbose"] = _coerce("verbose", bool, ns.pop("verbose"))
+        except ConfigError as exc:
+            parser.error(str(exc))
     try:
         data = load_file(config_path) if config_path else {}
         if not isinstance(data, dict):

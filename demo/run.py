@@ -85,9 +85,13 @@ def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_s
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
 
+    from common.progress import paused
+
     # Without --verbose the ingest's own worker defaults apply (errors, and this project's warnings).
     options = ["--default_sdk_harness_log_level=INFO"] if verbose else []
-    with _stderr_to(None if verbose or workers == 1 else log):
+    # The corpus ingest shows its progress; the small ones (a few seconds each) only their counts.
+    quiet = paused() if workers == 1 else contextlib.nullcontext()
+    with _stderr_to(None if verbose or workers == 1 else log), quiet:
         return run_prepare(PrepareConfig(input=inputs, output=str(output), size=size, workers=workers,
                                          test_set=test_sets, beam_options=options))
 
@@ -99,6 +103,7 @@ def _stage(n: int, text: str) -> None:
 def _vtab(cfg: DemoConfig, work: Path, pretrained: str, log: Path) -> dict:
     """Generate the three tasks, write their train/val/test shard sets with the folders converter
     (the Beam ingest), and run the VTAB protocol on them with the pre-trained model."""
+    from common.progress import paused
     from demo import data as demo_data
     from training.vtab import VtabConfig, run_vtab
     from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
@@ -108,7 +113,7 @@ def _vtab(cfg: DemoConfig, work: Path, pretrained: str, log: Path) -> dict:
     specs = []
     for name, src in raw.items():
         out = work / "shards" / "vtab" / name
-        with _stderr_to(None if cfg.verbose else log):
+        with _stderr_to(None if cfg.verbose else log), paused():
             run_vtab_prepare(VtabPrepareConfig(source="folders", input=str(src), output=str(out), size=32,
                                                train_size=cfg.vtab_train, val_size=cfg.vtab_val, seed=cfg.seed))
         specs.append(f"{demo_data.VTAB_TASKS[name]}/{name}={out}")

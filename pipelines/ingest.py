@@ -52,7 +52,8 @@ from typing import Any, Iterable, Iterator, Mapping
 from common.config import InputError
 from common.fs import atomic_open, atomic_write, url_to_fs as _fs
 from common.jobenv import durable_path
-from pipelines import local_runner, schema
+from common.progress import TTY_EVERY, ProgressLine, Ticker
+from pipelines import local_runner, progress, schema
 from pipelines.config import PrepareConfig
 from pipelines.process import ProcessOptions, process_item, reject
 from pipelines.sources import SourceError, Unit, expand, plan
@@ -133,7 +134,7 @@ def load_label_map(path: str) -> dict[str, int]:
 
 # -- pipeline steps (module-level so they pickle by reference) ---------------------------------
 
-def _read_unit(unit: Unit, max_bytes: int | None = None) -> Iterator[Any]:
+def _read_unit(unit: Unit, max_bytes: int | None = None, progress_dir: str | None = None) -> Iterator[Any]:
     """A unit's items, or a single quarantine row for the unit if reading it fails.
 
     All or nothing, like Beam's dead-letter output this replaces: a unit that fails half
@@ -144,9 +145,11 @@ def _read_unit(unit: Unit, max_bytes: int | None = None) -> Iterator[Any]:
     try:
         items = [item.materialize() for item in expand(unit, max_bytes=max_bytes)]
     except Exception as exc:  # noqa: BLE001 - any failure of one source becomes its quarantine row
+        progress.count(progress_dir, units=1, inputs=1, processed=1, rejected=1)
         yield _unit_failed(unit, exc)
         return
     Metrics.counter(NAMESPACE, "inputs").inc(len(items))
+    progress.count(progress_dir, units=1, inputs=len(items))
     yield from items
 
 
@@ -154,20 +157,23 @@ def _unit_failed(unit: Unit, exc: BaseException) -> dict[str, Any]:
     return reject(unit.uris[0], "unexpected_error", f"{unit.uris[0]}: reading the source failed: {exc!r}")
 
 
-def _process(item, opts: ProcessOptions) -> dict[str, Any]:
+def _process(item, opts: ProcessOptions, progress_dir: str | None = None) -> dict[str, Any]:
     """:func:`process_item`, with any exception it raises turned into an ``unexpected_error`` row (dead letter)."""
     try:
-        return process_item(item, opts)
+        row = process_item(item, opts)
     except Exception as exc:  # noqa: BLE001 - one bad item must not fail the job
         uri = getattr(item, "uri", repr(item)[:200])
         log.warning("unexpected error on %s: %s", uri, "".join(traceback.format_exception(exc)[-3:]))
-        return reject(uri, "unexpected_error", f"{uri}: {exc!r}")
+        row = reject(uri, "unexpected_error", f"{uri}: {exc!r}")
+    progress.count(progress_dir, processed=1, rejected=int(_is(row, "rejected")))
+    return row
 
 
-def _item_crashed(bad) -> dict[str, Any]:
+def _item_crashed(bad, progress_dir: str | None = None) -> dict[str, Any]:
     """A dead-letter element of ``--isolate-decoder``'s subprocess: the decoder crashed the process."""
     item, (exc_type, exc_repr, tb) = bad
     uri = getattr(item, "uri", repr(item)[:200])
+    progress.count(progress_dir, processed=1, rejected=1)
     return reject(uri, "unexpected_error", f"{uri}: {exc_repr}")
 
 
@@ -202,10 +208,11 @@ def _count(name: str):
     return fn
 
 
-def _match_test_sets(record: dict, index) -> dict:
+def _match_test_sets(record: dict, index, progress_dir: str | None = None) -> dict:
     matches = index.match(record["content_hash"], record["phash"])
     if not matches:
         return record
+    progress.count(progress_dir, duplicates=1)
     m = matches[0]  # closest first; an item is counted against one test set only
     return {
         "_t": "duplicate", "key": record["key"], "uri": record["uri"], "cause": m.test_set,
@@ -238,7 +245,8 @@ def shard_of(content_hash: str, num_shards: int) -> int:
     return int(content_hash[:8], 16) % num_shards
 
 
-def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, int]) -> Iterator[dict]:
+def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, int],
+                 progress_dir: str | None = None) -> Iterator[dict]:
     """Write one shard atomically, keeping one record per content hash.
 
     The records carry their images as ``blob`` references into the run's spill files
@@ -273,6 +281,7 @@ def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, 
                 writer.write_table(schema.records_to_table(rows))
     Metrics.counter(NAMESPACE, "written").inc(len(kept))
     Metrics.counter(NAMESPACE, "bytes_written").inc(sink.size)
+    progress.count(progress_dir, written=len(kept), duplicates=len(dups))
     yield {"_t": "shard", "path": name, "rows": len(kept), "bytes": sink.size, "sha256": sink.sha256.hexdigest(),
            "received": len(kept) + len(dups)}
     yield from dups
@@ -346,8 +355,11 @@ def _count_row(pcolls: tuple, name: str, tag: str):
 
 
 def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[str, int] | None,
-                   index, out_url: str, staging_url: str) -> None:
-    """Add the ingest to pipeline ``p``; all small outputs go as JSON lines under ``staging_url``."""
+                   index, out_url: str, staging_url: str, progress_dir: str | None = None) -> None:
+    """Add the ingest to pipeline ``p``; all small outputs go as JSON lines under ``staging_url``.
+
+    Workers add their counts to ``progress_dir`` as they go (:mod:`pipelines.progress`).
+    """
     import apache_beam as beam
     from apache_beam.pvalue import AsSingleton
 
@@ -358,27 +370,27 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
     # duplicate or shard row) and Filters split them. Failures are caught per element into
     # rejected rows (reason unexpected_error: the dead letter), never routed by tagged outputs.
     max_bytes = int(cfg.max_file_mb * 1e6)
-    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes)
+    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes, progress_dir)
     inputs = _count_row((read,), "Inputs", "inputs")
     read_kinds = _split(read, "Read", ("item", "rejected"))
 
     if cfg.isolate_decoder:
         # A crash of a native decoder kills the process, so no except clause sees it: Beam's
         # subprocess dead letter does. Tagged outputs again, so config refuses this on Dask.
-        isolated = read_kinds["item"] | "Process" >> beam.Map(_process, opts).with_exception_handling(
+        isolated = read_kinds["item"] | "Process" >> beam.Map(_process, opts, progress_dir).with_exception_handling(
             use_subprocess=True
         )
-        crashed = isolated["bad"] | "ItemCrashed" >> beam.Map(_item_crashed)
+        crashed = isolated["bad"] | "ItemCrashed" >> beam.Map(_item_crashed, progress_dir)
         processed = (isolated["good"], crashed) | "AllProcessed" >> beam.Flatten()
     else:
-        processed = read_kinds["item"] | "Process" >> beam.Map(_process, opts)
+        processed = read_kinds["item"] | "Process" >> beam.Map(_process, opts, progress_dir)
     processed_kinds = _split(processed, "Processed", ("record", "rejected"))
     records = processed_kinds["record"]
 
     dup_parts = []
     if index is not None:
         index_side = AsSingleton(p | "TestSetIndex" >> beam.Create([index]))
-        matched = records | "MatchTestSets" >> beam.Map(_match_test_sets, index_side)
+        matched = records | "MatchTestSets" >> beam.Map(_match_test_sets, index_side, progress_dir)
         matched_kinds = _split(matched, "Matched", ("record", "duplicate"))
         records = matched_kinds["record"]
         dup_parts.append(matched_kinds["duplicate"])
@@ -413,7 +425,8 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         records
         | "AssignShard" >> beam.Map(lambda r, n: (shard_of(r["content_hash"], n), r), AsSingleton(num_shards))
         | "GroupShard" >> beam.GroupByKey()
-        | "WriteShard" >> beam.FlatMap(_write_shard, out_url, staging_url, AsSingleton(labels_pc))
+        | "WriteShard" >> beam.FlatMap(_write_shard, out_url, staging_url, AsSingleton(labels_pc),
+                                                progress_dir)
     )
     written_kinds = _split(written, "Written", ("shard", "duplicate"))
     shards = written_kinds["shard"]
@@ -602,8 +615,17 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             staging = f"{root}/.staging-{uuid.uuid4().hex}"
             fs.makedirs(staging, exist_ok=True)
             options = pipeline_options(run_cfg, dask_address=engine.address, partitions=len(units))
-            with beam.Pipeline(options=options) as p:
-                build_pipeline(p, units, cfg, label_map, index, out_url, fs.unstrip_protocol(staging))
+            channel = progress.channel_dir(staging, fs)
+            line = ProgressLine("prepare")
+            watch = progress.IngestProgress(line, channel, units)
+            try:
+                with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0):
+                    with beam.Pipeline(options=options) as p:
+                        build_pipeline(p, units, cfg, label_map, index, out_url, fs.unstrip_protocol(staging),
+                                       channel)
+                watch.finish()
+            finally:
+                progress.close(channel)  # the in-process runner's counts file is this process's
             outputs = _read_staging(fs, staging)
             try:
                 manifest, quarantine, duplicates = _summarise(outputs, cfg, label_map, test_sets)

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError, check
+from common.progress import ProgressLine, duration, eta_text
 from training.vtab_tasks import GROUPS
 
 RESULTS_FILE = "fewshot_results.json"
@@ -145,11 +146,15 @@ def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     output.mkdir(parents=True, exist_ok=True)
     per_task = {}
+    line = ProgressLine("fewshot")
+    t_start = time.perf_counter()
     with tracking.start_run("fewshot", params={**dataclasses.asdict(cfg), "tasks": list(tasks)},
                             parent_run_id=cfg.parent_run_id) as run:
-        for name, t in tasks.items():
+        for i, (name, t) in enumerate(tasks.items()):
             root = Path(t["dir"])
             t0 = time.perf_counter()
+            line.update(f"task {name} ({i + 1}/{len(tasks)}): RUNNING, extracting features"
+                        + eta_text(i, len(tasks), t0 - t_start), force=True)
             # Once per task: every shot count and draw reuses these features.
             train_x, train_y = features(model, [root / "train800", root / "val200"], size, cfg.batch_size,
                                         cfg.representation)
@@ -158,6 +163,8 @@ def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
             shots = evaluate_task(train_x, train_y, test_x, test_y, t["num_classes"], list(cfg.shots), seeds,
                                   cfg.l2_reg)
             per_task[name] = {"group": t["group"], "shots": shots}
+            line.above(f"task {name} ({i + 1}/{len(tasks)}): done in {duration(time.perf_counter() - t0)}, "
+                       + ", ".join(f"{k}-shot accuracy {r['mean']:.3f}" for k, r in shots.items() if "mean" in r))
             with tracking.start_run("fewshot-task", run_name=f"fewshot {name}", parent_run_id=run.info.run_id,
                                     params={"task": name, "group": t["group"], "pool": len(train_y),
                                             "test": len(test_y)}):

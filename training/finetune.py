@@ -24,6 +24,7 @@ same MLflow run.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -35,6 +36,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
+from common import progress
 from common.config import ConfigError, check
 from training.pretrain import MODEL_FILE
 
@@ -341,13 +343,17 @@ def finetune_trial(config: dict) -> None:
 # -- Tune sweeps that resume -----------------------------------------------------------------------
 
 def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resources: dict, metric: str,
-               max_concurrent: int = 0, max_failures: int = 0):
+               max_concurrent: int = 0, max_failures: int = 0, label: tuple[str, ...] = ("lr",),
+               prog: str = "finetune"):
     """Run a Tune sweep under ``output/ray/name``, or resume it if an interrupted one is there.
 
     A resumed sweep keeps its finished trials and runs the unfinished and errored ones again
-    (``resume_errored``: they start from scratch, as a retry does).
+    (``resume_errored``: they start from scratch, as a retry does). The console gets a line per
+    trial event, trials named by the config keys in ``label`` (:mod:`training.tune_progress`).
     """
     from ray import tune
+
+    from training.tune_progress import TrialLines
 
     # Save the sweep's state after every event, not every 10 s or more: a sweep killed just after
     # a trial finished must not run that trial again on resume. The state is a few kB per trial.
@@ -362,9 +368,29 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
             param_space=param_space,
             tune_config=tune.TuneConfig(metric=metric, mode="max", max_concurrent_trials=max_concurrent or None),
             run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
+                                      callbacks=[TrialLines(f"{prog} {name}", label, metric)],
                                       failure_config=tune.FailureConfig(max_failures=max_failures)),
         )
-    return tuner.fit()
+    # Tune's current output engine prints its experiment box and a TensorBoard hint to stdout
+    # even at verbose=0; the older one, which Tune reads this variable for, honours verbose=0.
+    with _env("RAY_AIR_NEW_OUTPUT", None if progress.verbose() else "0"):
+        return tuner.fit()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """``os.environ[name] = value`` for the duration (None: leave it as it is)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
 
 
 def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Iterable[str] = ()) -> dict | None:

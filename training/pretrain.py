@@ -30,6 +30,7 @@ from typing import Any, Literal
 import numpy as np
 
 from common.config import ConfigError, check
+from common.progress import TTY_EVERY, ProgressLine, Ticker, eta_text
 
 SCHEDULES = ("linear", "cosine")
 MODEL_FILE = "model.safetensors"
@@ -238,6 +239,7 @@ def train_loop_per_worker(config: dict) -> None:
     torch.set_num_threads(max(1, cfg.cpus_per_worker))
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank
     device = ray.train.torch.get_device()
+    board = config.get("progress")
     if rank == 0 and config.get("starts") is not None:
         ray.get(config["starts"].start.remote())
     nodes = len(set(_gather(ray.get_runtime_context().get_node_id())))
@@ -457,6 +459,9 @@ def train_loop_per_worker(config: dict) -> None:
                         # MFU: model FLOPs (vitcore's count, backward = 2x forward) over the bf16 peak.
                         metrics["mfu"] = log_images / elapsed * flops_per_image / peak
                     tracking.log_metrics_to(run_id, metrics, step=step, uri=uri)
+                if rank == 0 and board is not None:
+                    board.post.remote({"kind": "step", "time": time.time(), "step": step, "total": total_steps, "end": end_step,
+                                       "loss": float(log_loss) / log_steps, "images_per_second": images_all / elapsed})
                 log_images = log_loss = 0.0
                 log_steps = 0
                 wait[0] = 0.0
@@ -486,6 +491,8 @@ def train_loop_per_worker(config: dict) -> None:
                            "images_per_second": seen_all / max(elapsed, 1e-9), **held}
                 if rank == 0 and run_id:
                     tracking.log_metrics_to(run_id, {k: v for k, v in metrics.items() if k != "step"}, step=step, uri=uri)
+                if rank == 0 and board is not None:
+                    board.post.remote({"kind": "report", "total": total_steps, **metrics})
                 save_and_report(metrics)
                 reported = True
                 rep_images = rep_loss = correct_box[0] = 0.0
@@ -624,6 +631,57 @@ def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) ->
     return figures
 
 
+class StepProgress:
+    """The driver's console lines from what rank 0 posts to a :class:`~training.ray_utils.ProgressBoard`.
+
+    A status line per log interval (step out of total, the interval's mean loss, images per
+    second over all workers, ETA at the pace since the first interval this run saw) and a
+    permanent line per report (epoch end or checkpoint): what Ray Train's per-rank
+    ``TrainingReport`` lines said, once.
+    """
+
+    def __init__(self, line: ProgressLine, board) -> None:
+        self.line, self.board = line, board
+        self._anchor: tuple[float, int] | None = None
+        self._reported = -1  # the step of the last report shown
+
+    def tick(self) -> None:
+        import ray
+
+        latest = None  # of the step rows since the last tick, only the newest is worth a line
+        for row in ray.get(self.board.take.remote(), timeout=30):
+            if row["kind"] == "step":
+                latest = row
+            else:
+                self.show(row)
+        if latest is not None and latest["step"] > self._reported:
+            self.show(latest)
+
+    def show(self, row: dict) -> None:
+        if row["kind"] == "step":
+            step, end = row["step"], row["end"]
+            if self._anchor is None:
+                self._anchor = (row["time"], step)
+            t0, s0 = self._anchor
+            self.line.update(f"step {step}/{row['total']} ({100 * step // max(1, row['total'])}%), "
+                             f"loss {row['loss']:.4f}, {row['images_per_second']:.1f} img/s"
+                             + eta_text(step - s0, end - s0, row["time"] - t0))
+        else:
+            self._reported = row["step"]
+            held = (f", held-out loss {row['holdout_loss']:.4f} accuracy {row['holdout_accuracy']:.3f}"
+                    if "holdout_accuracy" in row else "")
+            self.line.above(f"epoch {row['epoch']} to step {row['step']}/{row['total']}: train loss "
+                            f"{row['train_loss']:.4f} accuracy {row['train_accuracy']:.3f}{held}; "
+                            f"{row['images_per_second']:.1f} img/s, checkpoint saved")
+
+    def finish(self) -> None:
+        try:
+            self.tick()
+        except Exception:  # noqa: BLE001 - the run's own error, if any, is the one to show
+            pass
+        self.line.close()
+
+
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
     trained and the worker-group restarts."""
@@ -636,7 +694,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from common.jobenv import durable_path
     from pipelines.schema import MANIFEST, ShardSet, file_sha256
     from training.data import holdout_mask, shard_keys
-    from training.ray_utils import init_ray
+    from training.ray_utils import ProgressBoard, init_ray
 
     data = Path(cfg.data).expanduser()
     if not (data / MANIFEST).is_file():
@@ -662,6 +720,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         datasets["train"] = ray_data_stream(cfg, shards)
 
     starts = ray.remote(num_cpus=0)(_StartCounter).remote()
+    board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     with tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
                             run_name=cfg.run_name or "pretrain") as run:
         tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),
@@ -675,6 +734,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 "mlflow_run_id": run.info.run_id,
                 "mlflow_uri": uri,
                 "starts": starts,
+                "progress": board,
             },
             datasets=datasets,
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
@@ -687,10 +747,15 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 failure_config=FailureConfig(max_failures=cfg.max_failures),
             ),
         )
+        shown = StepProgress(ProgressLine("pretrain"), board)
         try:
-            result = trainer.fit()
+            with Ticker(shown.tick, TTY_EVERY):
+                result = trainer.fit()
         except Exception as exc:
             raise _config_error_from_workers(exc) or exc
+        finally:
+            shown.finish()
+            ray.kill(board)
         if result.error:
             raise _config_error_from_workers(result.error) or result.error
         restarts = max(0, ray.get(starts.count.remote()) - 1)

@@ -67,3 +67,23 @@ def cpus_available() -> int:
     import ray
 
     return int(ray.cluster_resources().get("CPU", 1))
+
+
+class ProgressBoard:
+    """A Ray actor that workers post progress rows to and the driver takes them from.
+
+    The driver prints them (:class:`common.progress.ProgressLine`), so progress reaches the
+    console of whoever started the job, whether or not Ray forwards worker output
+    (``log_to_driver``), with no worker prefix, and once however many ranks there are.
+    Start it with ``ray.remote(num_cpus=0)(ProgressBoard).remote()``.
+    """
+
+    def __init__(self) -> None:
+        self._rows: list[dict] = []
+
+    def post(self, row: dict) -> None:
+        self._rows.append(row)
+
+    def take(self) -> list[dict]:
+        rows, self._rows = self._rows, []
+        return rows

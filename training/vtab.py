@@ -303,7 +303,8 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
         grid = tune_sweep(vtab_trial, {"task": tune.grid_search(names), "setting": tune.grid_search(cfg.settings()),
                                        "phase": "select", **common},
                           name="select", output=output, resources=resources, metric="val_accuracy",
-                          max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures)
+                          max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures,
+                          label=("task", "setting.lr", "setting.steps"), prog="vtab")
         val: dict[tuple, dict[str, float]] = {}
         failed = []
         for r in grid:
@@ -316,7 +317,8 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
         final = tune_sweep(vtab_trial, {"task": tune.grid_search(names), "setting": setting, "phase": "final",
                                         **common},
                            name="final", output=output, resources=resources, metric="test_accuracy",
-                           max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures)
+                           max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures,
+                           label=("task", "setting.lr", "setting.steps"), prog="vtab")
         test = {}
         for r in final:
             if r.error or not r.metrics or "test_accuracy" not in r.metrics:
