@@ -184,7 +184,7 @@ def test_remote_server_on_postgres_with_basic_auth(postgres, tmp_path, free_port
         with psycopg2.connect(host=postgres["host"], port=postgres["port"], user=DB_USER, password=DB_PASSWORD,
                               dbname=DB_NAME) as conn, conn.cursor() as cur:
             cur.execute("SELECT run_uuid, name FROM runs")
-            assert cur.fetchall() == [(run_id, "prepare")]
+            assert cur.fetchall() == [(run_id, "prepare shards")]
             cur.execute("SELECT username FROM users")
             assert [u for (u,) in cur.fetchall()] == [ADMIN]
     finally:
