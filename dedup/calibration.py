@@ -402,9 +402,10 @@ def run(out_dir: str | os.PathLike, *, source: str | None = None, holdout: bool 
     if log_mlflow:
         from common import tracking
 
-        with tracking.start_run("dedup-calibration", params={
-                "images": {k: c.n_images for k, c in cals.items()}, "source": source or "photo_pool",
-                "holdout": holdout, "default_threshold": DEFAULT_THRESHOLD}):
+        params = {"images": {k: c.n_images for k, c in cals.items()}, "source": source or "photo_pool",
+                  "holdout": holdout, "default_threshold": DEFAULT_THRESHOLD}
+        with tracking.start_run("dedup-calibration", params=params, tags=tracking.run_tags(params),
+                                run_name=f"dedup calibration on {source or 'photo_pool'}"):
             for name, cal in cals.items():
                 for i, t in enumerate(cal.thresholds):
                     tracking.log_metrics({f"{name}.recall": cal.overall_recall[i], f"{name}.fmr": cal.overall_fmr[i]},

@@ -18,7 +18,7 @@ from dedup.rescan import rescan
 from common.config import check
 from common.jobenv import durable_path
 from pipelines.config import parse_test_sets
-from pipelines.schema import MANIFEST, ShardSet, decode_row_image
+from pipelines.schema import MANIFEST, ShardSet, decode_row_image, shard_set_record
 from pipelines.testsets import build_test_set_index, check_sources, iter_images
 
 
@@ -35,6 +35,7 @@ class DedupConfig:
         "help": "where counts, matches and the contact sheet go; default SHARDS/dedup_report"})
     threshold: int | None = dataclasses.field(default=None, metadata={
         "help": "Hamming threshold in bits; default the calibrated dedup.index.DEFAULT_THRESHOLD"})
+    parent_run_id: str | None = dataclasses.field(default=None, metadata={"help": "MLflow run to nest under"})
 
     def __post_init__(self):
         check(bool(self.shards), "shards", "required: the shard set directory to re-check")
@@ -97,11 +98,18 @@ def run(cfg: DedupConfig) -> dict:
     report_dir = Path(cfg.report_dir) if cfg.report_dir else shard_dir / "dedup_report"
     sources = parse_test_sets(cfg.test_set)
     check_sources(sources)
-    with tracking.start_run("dedup", params=dataclasses.asdict(cfg)) as run_:
+    params = dataclasses.asdict(cfg)
+    record = shard_set_record(shard_dir, role="checked")
+    name = f"dedup {record['name']} vs {', '.join(sources) or 'saved test sets'}"
+    with tracking.start_run("dedup", params=params, parent_run_id=cfg.parent_run_id, run_name=name,
+                            tags=tracking.run_tags(params, data=[record])) as run_:
+        tracking.log_shard_inputs([record])
         base = _load_or_discard(index_dir, cfg.threshold)
         index = build_test_set_index(sources, threshold=cfg.threshold, base=base)
         index.save(index_dir)
-        result = rescan(shard_dir, index)
+        result = rescan(shard_dir, index, run_id=run_.info.run_id)
+        # What the data has now, this run's removals included.
+        tracking.set_tags({tracking.TAG_DEDUP_STATE: shard_set_record(shard_dir)["dedup_state"]})
         summary = {
             "message": result.summary(), "nothing_new": result.nothing_new,
             "shards_total": result.shards_total, "shards_checked": result.shards_checked,

@@ -32,7 +32,7 @@ from dedup.index import FORWARD, REVERSE, TestSetIndex
 from pipelines import schema
 from pipelines.schema import ShardSet, ShardSetError
 
-STATE = "dedup_state.json"
+STATE = schema.DEDUP_STATE
 STATE_FORMAT = 1
 
 
@@ -113,8 +113,12 @@ def _corpus_codes(table: pa.Table, phash: list) -> tuple[list[int], np.ndarray]:
     return rows, codes.reshape(len(rows), sig.CORPUS_CODES, sig.SIGNATURE_BYTES)
 
 
-def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
-    """Match new shards / new test sets of ``shard_dir`` against ``index``; append removals, persist state."""
+def rescan(shard_dir: str | os.PathLike, index: TestSetIndex, *, run_id: str | None = None) -> RescanResult:
+    """Match new shards / new test sets of ``shard_dir`` against ``index``; append removals, persist state.
+
+    ``run_id`` (the dedup job's MLflow run) goes with each removal it writes and, when it checked
+    anything, into the state's ``runs``: the readers' lineage (``pipelines.schema.shard_set_record``).
+    """
     root = Path(shard_dir)
     # Every row, removed ones included: a row removed for one test set is still checked against a new one.
     shard_set = ShardSet(root, honour_removed=False)
@@ -125,6 +129,7 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
     new_matches: list[dict] = []
     per_set = {name: 0 for name in fingerprints}
     checked = pairs = rows = 0
+    todo_all: set[str] = set()
     for i, shard in enumerate(shard_set.shards):
         entry = state["shards"].setdefault(shard["sha256"], {"path": shard["path"], "test_sets": {}})
         todo = {n for n, fp in fingerprints.items() if entry["test_sets"].get(n) != fp}
@@ -169,13 +174,17 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex) -> RescanResult:
         checked += 1
         pairs += len(todo)
         rows += len(keys)
+        todo_all.update(todo)
         for n in todo:
             entry["test_sets"][n] = fingerprints[n]
     if new_matches:
         with open(root / schema.REMOVED, "a") as f:
             for m in new_matches:
-                f.write(json.dumps(m) + "\n")
+                f.write(json.dumps({**m, "mlflow_run_id": run_id} if run_id else m) + "\n")
     if pairs:
+        if run_id:
+            state.setdefault("runs", []).append({"mlflow_run_id": run_id, "new_removals": len(new_matches),
+                                                 "test_sets": sorted(todo_all)})
         atomic_write(state_path, json.dumps(state, indent=1, sort_keys=True))
     return RescanResult(len(shard_set.shards), checked, pairs, rows, new_matches, per_set,
                         rule_changed if pairs else None)

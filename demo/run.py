@@ -1,8 +1,9 @@
 """The end-to-end demo: corpus → Beam ingest with test-set de-duplication → Ray Train → Ray Tune → MLflow.
 
 Every stage is the same library call its own entrypoint makes (``jobs/prepare.py``,
-``jobs/pretrain.py``, ``jobs/finetune.py``), sized to finish in minutes on two CPU cores,
-and every stage is an MLflow run nested under one ``demo`` run.
+``jobs/dedup.py``, ``jobs/pretrain.py``, ``jobs/finetune.py``, ``jobs/vtab.py``, ``jobs/fewshot.py``),
+sized to finish in minutes on two CPU cores. Each stage's run goes into its stage's experiment
+(``common.tracking``) and names the ``demo`` run that grouped them (``vitscale.demo_run_id``).
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ class DemoConfig:
     vtab_test: int = field(default=100, metadata={"help": "VTAB stage: test images per task"})
     vtab_lrs: list[float] = field(default_factory=lambda: [0.03, 0.1], metadata={"help": "VTAB stage: learning rates"})
     vtab_steps: list[int] = field(default_factory=lambda: [40, 80], metadata={"help": "VTAB stage: schedules (steps)"})
+    fewshot_shots: list[int] = field(default_factory=lambda: [1, 5, 10], metadata={"help": "few-shot stage: images per class"})
+    fewshot_draws: int = field(default=3, metadata={"help": "few-shot stage: random draws per shot count"})
     num_workers: int = field(default=2, metadata={"help": "Ray Train workers"})
     prepare_workers: int = field(default=2, metadata={"help": "Beam DirectRunner workers"})
     per_shape: int = field(default=60, metadata={"help": "generated images per shape class"})
@@ -96,13 +99,17 @@ def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_s
                                          test_set=test_sets, beam_options=options))
 
 
+STAGES = 7
+
+
 def _stage(n: int, text: str) -> None:
-    print(f"==> [{n}/5] {text}", flush=True)
+    print(f"==> [{n}/{STAGES}] {text}", flush=True)
 
 
-def _vtab(cfg: DemoConfig, work: Path, pretrained: str, log: Path) -> dict:
+def _vtab(cfg: DemoConfig, work: Path, pretrained: str, log: Path) -> tuple[dict, list[str]]:
     """Generate the three tasks, write their train/val/test shard sets with the folders converter
-    (the Beam ingest), and run the VTAB protocol on them with the pre-trained model."""
+    (the Beam ingest), and run the VTAB protocol on them with the pre-trained model; returns the
+    results and the task specs (GROUP/NAME=DIR)."""
     from common.progress import paused
     from demo import data as demo_data
     from training.vtab import VtabConfig, run_vtab
@@ -122,14 +129,16 @@ def _vtab(cfg: DemoConfig, work: Path, pretrained: str, log: Path) -> dict:
         output=str(work / "vtab"), img_size=cfg.finetune_img_size, lrs=list(cfg.vtab_lrs),
         steps=list(cfg.vtab_steps), batch_size=cfg.finetune_batch_size, warmup_steps=5, crop_min_area=0.6,
         seed=cfg.seed,
-    ))
+    )), specs
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from common import tracking
     from common.fs import atomic_write, make_output_dir
+    from dedup.job import DedupConfig, run as run_dedup
     from demo import data as demo_data
     from reports.report import ReportConfig, run_report
+    from training.fewshot import FewshotConfig, run_fewshot
     from training.finetune import FinetuneConfig, run_finetune
     from training.pretrain import PretrainConfig, run_pretrain
     from training.ray_utils import init_ray
@@ -146,13 +155,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     init_ray(log_to_driver=cfg.verbose)
     # The demo is a fresh run each time: its fixed run name would otherwise resume (and so
     # skip) the previous demo's pre-training. The MLflow store is kept, so runs accumulate.
-    for stale in ("pretrain", "finetune", "vtab"):
+    for stale in ("pretrain", "finetune", "vtab", "fewshot"):
         shutil.rmtree(work / stale, ignore_errors=True)
     # The demo's MLflow store lives with its outputs unless the user points elsewhere.
     os.environ.setdefault("VITSCALE_HOME", str(work / "mlruns"))
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
-    with tracking.start_run("demo", params=dataclasses.asdict(cfg)) as demo_run:
+    config = dataclasses.asdict(cfg)
+    with tracking.start_run("demo", params=config, tags=tracking.run_tags(config),
+                            run_name=f"demo {cfg.variant} depth {cfg.depth}, {cfg.epochs} epochs") as demo_run:
         os.environ["VITSCALE_PARENT_RUN_ID"] = demo_run.info.run_id
         try:
             _stage(1, "building the corpus and the downstream task")
@@ -172,7 +183,15 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                             workers=1, test_sets=[], verbose=cfg.verbose, log=beam_log)
             timings["prepare"] = time.perf_counter() - t
 
-            _stage(3, f"Ray Train: pre-training {cfg.variant} (depth {cfg.depth}) on {cfg.num_workers} workers")
+            _stage(3, "De-duplication job: the corpus shards against the digits test set again")
+            t = time.perf_counter()
+            # The ingest removed the planted copies already: the scheduled job finds nothing new
+            # and records that it checked (the pre-training's dedup lineage).
+            dedup = run_dedup(DedupConfig(shards=str(work / "shards" / "corpus"),
+                                          test_set=[f"digits_test={data.test}"]))
+            timings["dedup"] = time.perf_counter() - t
+
+            _stage(4, f"Ray Train: pre-training {cfg.variant} (depth {cfg.depth}) on {cfg.num_workers} workers")
             t = time.perf_counter()
             pre = run_pretrain(PretrainConfig(
                 data=str(work / "shards" / "corpus"), output=str(work / "pretrain"), variant=cfg.variant,
@@ -182,7 +201,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             ))
             timings["pretrain"] = time.perf_counter() - t
 
-            _stage(4, f"Ray Tune: fine-tuning over learning rates {list(cfg.lrs)}")
+            _stage(5, f"Ray Tune: fine-tuning over learning rates {list(cfg.lrs)}")
             t = time.perf_counter()
             fine = run_finetune(FinetuneConfig(
                 train=str(work / "shards" / "digits-train"), test=str(work / "shards" / "digits-test"),
@@ -193,23 +212,33 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             ))
             timings["finetune"] = time.perf_counter() - t
 
-            _stage(5, "VTAB-style: three generated tasks (natural, specialized, structured), "
+            _stage(6, "VTAB-style: three generated tasks (natural, specialized, structured), "
                       f"{len(cfg.vtab_lrs)} lrs x {len(cfg.vtab_steps)} schedules on Ray Tune")
             t = time.perf_counter()
-            vtab = _vtab(cfg, work, pre["model"], beam_log)
+            vtab, specs = _vtab(cfg, work, pre["model"], beam_log)
             timings["vtab"] = time.perf_counter() - t
+
+            _stage(7, f"Few-shot linear evaluation of the pre-trained model on the same tasks ({list(cfg.fewshot_shots)} shots)")
+            t = time.perf_counter()
+            fewshot = run_fewshot(FewshotConfig(pretrained=pre["model"], task=specs, output=str(work / "fewshot"),
+                                                shots=list(cfg.fewshot_shots), draws=cfg.fewshot_draws,
+                                                img_size=cfg.finetune_img_size, device="cpu", seed=cfg.seed))
+            timings["fewshot"] = time.perf_counter() - t
         finally:
             os.environ.pop("VITSCALE_PARENT_RUN_ID", None)
         timings["total"] = time.perf_counter() - t_all
         summary = {
             "data": data.to_dict(),
             "prepare": {"corpus": corpus["counts"], "digits_train": train["counts"], "digits_test": test["counts"]},
+            "dedup": dedup,
             "pretrain": pre,
             "finetune": fine,
             "vtab": vtab,
+            "fewshot": fewshot,
             "timings_s": {k: round(v, 1) for k, v in timings.items()},
             "mlflow_run_id": demo_run.info.run_id,
             "mlflow_ui": tracking.ui_command(),
+            "mlflow_experiments": _experiment_urls(),
         }
         tracking.log_metrics({f"time_{k}_s": v for k, v in timings.items()})
         tracking.log_dict(summary, "demo_summary.json")
@@ -221,6 +250,21 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     summary["report"] = report["output"]
     atomic_write(work / "demo_summary.json", json.dumps(summary, indent=2, default=str))
     return summary
+
+
+def _experiment_urls() -> dict[str, str]:
+    """The UI page of each stage's experiment that holds runs, on the runs table (``tracking.ui_url``)."""
+    import mlflow
+
+    from common import tracking
+
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    urls = {}
+    for stage, name in tracking.stage_experiments().items():
+        exp = client.get_experiment_by_name(name)
+        if exp is not None:
+            urls[name] = tracking.ui_url(exp.experiment_id)
+    return urls
 
 
 def format_table(s: dict[str, Any]) -> str:
@@ -257,12 +301,18 @@ def format_table(s: dict[str, Any]) -> str:
         from training.vtab import format_table as vtab_table
 
         lines += ["", vtab_table(s["vtab"])]
+    if s.get("fewshot"):
+        from training.fewshot import format_table as fewshot_table
+
+        lines += ["", fewshot_table(s["fewshot"])]
     lines += [
         "",
         "Wall time (s): " + ", ".join(f"{k} {v}" for k, v in s["timings_s"].items()),
         "",
         "Open the MLflow UI on this store:",
         f"  {s['mlflow_ui']}",
+        "then each stage's experiment, on its runs table:",
+        *(f"  {name:<28} {url}" for name, url in s.get("mlflow_experiments", {}).items()),
     ]
     if s.get("report"):
         lines += ["", "Comparison report of every run in this store (jobs/report.py):", f"  {s['report']}"]

@@ -91,6 +91,7 @@ class PrepareConfig:
         metadata={"help": "decode in a subprocess so a crash in a native decoder becomes a quarantine record "
                           "instead of a dead worker (slower)"},
     )
+    parent_run_id: str | None = dataclasses.field(default=None, metadata={"help": "MLflow run to nest under"})
 
     def __post_init__(self) -> None:
         check(len(self.input) > 0, "input", "at least one --input source is required")

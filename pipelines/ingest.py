@@ -41,6 +41,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import re
 import logging
 import math
 import os
@@ -600,7 +601,9 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     _clean_leftovers(fs, root)
 
     params = vconfig.to_dict(cfg)
-    with _engine(cfg, cluster_workers) as engine, tracking.start_run("prepare", params=params) as run:
+    with _engine(cfg, cluster_workers) as engine, \
+            tracking.start_run("prepare", params=params, parent_run_id=cfg.parent_run_id,
+                               run_name=f"prepare {_set_name(cfg.output)}", tags=tracking.run_tags(params)) as run:
         index = None
         if test_sets:
             from pipelines.testsets import build_test_set_index
@@ -663,6 +666,9 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         # A worker killed while writing a shard leaves its temporary file; the task ran again elsewhere.
         _clean_leftovers(fs, root)
         atomic_write(f"{root}/{schema.MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode(), fs)
+        written = schema.shard_set_record(out_url)
+        tracking.set_tags({tracking.TAG_OUTPUT_MANIFEST: written["manifest_sha256"],
+                           tracking.TAG_DEDUP_STATE: written["dedup_state"]})
 
         counts = manifest["counts"]
         metrics = {
@@ -686,6 +692,15 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             tracking.log_text(_jsonl(quarantine).decode(), schema.QUARANTINE)
             tracking.log_text(_jsonl(duplicates).decode(), schema.DUPLICATES)
     return manifest
+
+
+def _set_name(output: str) -> str:
+    """A shard set's readable name for run names: its folder, with the parent's for a split
+    folder (``digits/train800`` rather than ``train800``)."""
+    parts = [p for p in str(output).rstrip("/").split("/") if p]
+    if len(parts) >= 2 and re.match(r"(train|val|test|dev)", parts[-1]):
+        return "/".join(parts[-2:])
+    return parts[-1] if parts else str(output)
 
 
 def _beam_counters(p) -> dict[str, float]:

@@ -30,7 +30,8 @@ Columns (:data:`SCHEMA`, version :data:`SCHEMA_VERSION`):
 ``inputs == written + sum(rejected) + sum(duplicates)``, the ``config`` and the
 ``mlflow_run_id``.
 
-``removed.jsonl``: one JSON object per line with at least ``"key"`` (a bare
+``removed.jsonl``: one JSON object per line with at least ``"key"`` (the dedup job adds the
+match and its ``mlflow_run_id``) (a bare
 JSON string is accepted too). :class:`ShardSet` skips those rows in
 ``len()``, indexing and :meth:`ShardSet.iter_batches`, so a later dedup pass
 can drop items without rewriting shards. ``open_shard`` still returns the
@@ -88,6 +89,9 @@ MANIFEST = "manifest.json"
 QUARANTINE = "quarantine.jsonl"
 DUPLICATES = "duplicates.jsonl"
 REMOVED = "removed.jsonl"
+# Written by the dedup job (dedup.rescan): which shards were checked against which test sets, and
+# the dedup runs that did it (``runs``).
+DEDUP_STATE = "dedup_state.json"
 SHARD_PATTERN = "shard-{index:05d}.arrow"
 
 # Rows per record batch inside a shard: small enough that streaming a shard
@@ -359,3 +363,44 @@ def decode_row_image(
             raise ValueError(f"decode_row_image: JPEG is {arr.shape[0]}x{arr.shape[1]}, row says {height}x{width}")
         return arr if arr.flags.writeable else arr.copy()
     raise ValueError(f"decode_row_image: unknown format {format!r}; expected one of {FORMATS}")
+
+
+def shard_set_record(directory: str | os.PathLike, *, role: str | None = None) -> dict[str, Any]:
+    """What a run that reads this shard set records about it (``common.tracking.run_tags`` and
+    ``log_shard_inputs``): its name and URL, the sha256 of its manifest, the prepare run that wrote
+    it, the dedup runs that checked it, and a one-line de-duplication state such as
+    ``"ingest vs digits_test: 3 removed; dedup signature_v3 vs digits_test: 2 removed"`` or ``"none"``.
+    """
+    fs, root = _fs(directory)
+    path = f"{root}/{MANIFEST}"
+    with fs.open(path, "rb") as f:
+        raw = f.read()
+    manifest = json.loads(raw)
+    state: dict = {}
+    if fs.exists(f"{root}/{DEDUP_STATE}"):
+        with fs.open(f"{root}/{DEDUP_STATE}", "rt") as f:
+            try:
+                state = json.load(f)
+            except json.JSONDecodeError:
+                state = {}
+    removed = read_removed(directory, fs)
+    parts = []
+    at_ingest = {k: v for k, v in manifest.get("counts", {}).get("duplicates", {}).items() if k != "corpus"}
+    if at_ingest:
+        parts.append("ingest vs " + ", ".join(sorted(at_ingest)) + f": {sum(at_ingest.values())} removed")
+    runs = [r["mlflow_run_id"] for r in state.get("runs", []) if r.get("mlflow_run_id")]
+    if state:
+        test_sets = sorted({n for entry in state.get("shards", {}).values() for n in entry.get("test_sets", {})})
+        parts.append(f"dedup signature_v{state.get('signature_version', '?')}"
+                     + (f" vs {', '.join(test_sets)}" if test_sets else "") + f": {len(removed)} removed")
+    elif removed:
+        parts.append(f"{len(removed)} removed by {REMOVED}")
+    name = os.path.basename(str(directory).rstrip("/")) or str(directory)
+    return {
+        "name": name, "url": fs.unstrip_protocol(root), "role": role,
+        "manifest_sha256": hashlib.sha256(raw).hexdigest(),
+        "num_rows": manifest.get("num_rows"),
+        "prepare_run_id": manifest.get("mlflow_run_id") or "",
+        "dedup_run_ids": runs,
+        "dedup_state": "; ".join(parts) or "none",
+    }

@@ -148,8 +148,15 @@ def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
     per_task = {}
     line = ProgressLine("fewshot")
     t_start = time.perf_counter()
-    with tracking.start_run("fewshot", params={**dataclasses.asdict(cfg), "tasks": list(tasks)},
-                            parent_run_id=cfg.parent_run_id) as run:
+    from training.vtab import task_records
+
+    records, main = task_records(tasks)
+    upstream = [u for u in [tracking.read_lineage(path)] if u]
+    config = dataclasses.asdict(cfg)
+    with tracking.start_run("fewshot", params={**config, "tasks": list(tasks)}, parent_run_id=cfg.parent_run_id,
+                            run_name=f"fewshot {len(tasks)} tasks from {path.parent.name}",
+                            tags=tracking.run_tags(config, data=records, main=main, models=upstream)) as run:
+        tracking.log_shard_inputs(records, context="evaluation")
         for i, (name, t) in enumerate(tasks.items()):
             root = Path(t["dir"])
             t0 = time.perf_counter()

@@ -494,11 +494,22 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
     uri = tracking.tracking_uri()
     resources = {"cpu": cfg.cpus_per_trial, **({"gpu": cfg.gpus_per_trial} if cfg.gpus_per_trial else {})}
-    run_ctx = (tracking.start_run("finetune", run_id=state["mlflow_run_id"]) if state else
-               tracking.start_run("finetune", params=config, parent_run_id=cfg.parent_run_id))
+    from pipelines.schema import shard_set_record
+
+    train_record = shard_set_record(cfg.train, role="training")
+    records = [train_record, shard_set_record(cfg.test, role="evaluation")]
+    upstream = [tracking.read_lineage(cfg.pretrained)] if cfg.pretrained else []
+    upstream = [u for u in upstream if u]
+    name = f"finetune {train_record['name']}" + (f" from {Path(cfg.pretrained).parent.name}" if cfg.pretrained else "")
+    run_ctx = (tracking.start_run("finetune", run_id=state["mlflow_run_id"], log_system_metrics=True) if state else
+               tracking.start_run("finetune", params=config, parent_run_id=cfg.parent_run_id, run_name=name,
+                                  tags=tracking.run_tags(config, data=records, main=[train_record], models=upstream),
+                                  log_system_metrics=True))
     with run_ctx as run:
         if state:
             close_interrupted_children(run.info.run_id)
+        else:
+            tracking.log_shard_inputs(records)
         save_sweep_state(output, config, run.info.run_id)
         common = {"cfg": config, "mlflow_parent": run.info.run_id, "mlflow_uri": uri}
         from ray import tune
@@ -543,6 +554,16 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         tracking.log_metrics({"selected_lr": summary["selected_lr"],
                               "val_accuracy": summary["selected_val_accuracy"],
                               "test_accuracy": summary["test_accuracy"]})
+        from training import run_artifacts
+
+        tracking.set_tags({"mlflow.runName": f"{name} lr={best['lr']:g}"})
+        grid_png = run_artifacts.finetune_grid(rows, best["lr"], summary["test_accuracy"],
+                                               output / run_artifacts.FINETUNE_GRID, title=f"{name}: accuracy per learning rate")
+        tracking.log_artifact(grid_png, "plots")
+        tracking.write_lineage(output, run, "finetune")
+        info = run_artifacts.log_vit_model(model_path, labels=train_set.label_names,
+                                           metadata={"vitscale.finetune_run_id": run.info.run_id})
+        summary["mlflow_model_uri"] = info.model_uri
         tracking.log_dict(summary, "finetune_summary.json")
         atomic_write(output / "finetune_summary.json", json.dumps(summary, indent=2))
     return summary

@@ -721,8 +721,17 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
 
     starts = ray.remote(num_cpus=0)(_StartCounter).remote()
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
-    with tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
-                            run_name=cfg.run_name or "pretrain") as run:
+    from pipelines.schema import shard_set_record
+
+    data_record = shard_set_record(cfg.data, role="training")
+    records = [data_record] + ([shard_set_record(cfg.fewshot_data, role="evaluation")] if cfg.fewshot_data else [])
+    config = dataclasses.asdict(cfg)
+    name = f"pretrain {cfg.variant.replace('/', '')} on {data_record['name']}"
+    with tracking.start_run("pretrain", params=config, parent_run_id=cfg.parent_run_id,
+                            run_name=name + (f" ({cfg.run_name})" if cfg.run_name else ""),
+                            tags=tracking.run_tags(config, data=records, main=[data_record]),
+                            log_system_metrics=True) as run:
+        tracking.log_shard_inputs(records)
         tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),
                               "planned_steps": total_steps, "steps_per_epoch": steps_per_epoch,
                               "accumulation": cfg.accumulation})
@@ -776,20 +785,35 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                                      "rows_sumsq": int(metrics.get("rows_sumsq", 0))},
                    "resumed_from_step": int(metrics.get("start_step", 0)), "nodes": int(metrics.get("nodes", 1))}
         tracking.log_metrics({"restarts": restarts, "steps": steps})
-        atomic_write(output / "pretrain_summary.json", json.dumps(summary, indent=2))
         tracking.log_dict(summary, "pretrain_summary.json")
-        tracking.log_artifact(model_path, "model")
         figures = _inspection_figures(model_path, cfg, output / "inspection")
         for fig in figures:
             tracking.log_artifact(fig, "inspection")
         summary["inspection"] = [str(f) for f in figures]
+        from training import run_artifacts
+
+        curves = run_artifacts.pretrain_curves(
+            tracking.metric_history(run.info.run_id, ["train_loss", "holdout_loss", "lr", "images_per_second",
+                                                      "train_accuracy", "holdout_accuracy",
+                                                      *[k for k in tracking.get_run(run.info.run_id).data.metrics
+                                                        if k.startswith("fewshot_")]]),
+            output / run_artifacts.PRETRAIN_CURVES, title=name)
+        if curves is not None:
+            tracking.log_artifact(curves, "plots")
+        # Beside the model, for the stages that read it: this run and its lineage.
+        tracking.write_lineage(output, run, "pretrain")
+        info = run_artifacts.log_vit_model(model_path, labels=shards.label_names,
+                                           metadata={"vitscale.pretrain_run_id": run.info.run_id,
+                                                     "vitscale.objective": cfg.objective})
+        summary["mlflow_model_uri"] = info.model_uri
         if cfg.register_as:
             import vitcore
 
             config = vitcore.read_checkpoint(model_path)[0].to_dict()
             summary["registered"] = tracking.register_model(
-                cfg.register_as, f"{run.info.artifact_uri}/model", run.info.run_id,
+                cfg.register_as, info.model_uri,
                 tags={"vitscale.model_config": json.dumps(config),
                       "vitscale.data_manifest_sha256": file_sha256(data / MANIFEST),
-                      "vitscale.data": cfg.data})
+                      "vitscale.data": cfg.data, "vitscale.pretrain_run_id": run.info.run_id})
+        atomic_write(output / "pretrain_summary.json", json.dumps(summary, indent=2))
     return summary

@@ -266,6 +266,24 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def task_records(tasks: dict[str, dict]) -> tuple[list[dict], list[dict]]:
+    """The shard-set records (``pipelines.schema.shard_set_record``) of every split of every task
+    that exists, named ``task/split``; and those of the training splits, the main inputs."""
+    from pipelines.schema import MANIFEST, shard_set_record
+
+    records, main = [], []
+    for task, t in tasks.items():
+        for split in ("train800", "val200", "test"):
+            d = Path(t["dir"]) / split
+            if (d / MANIFEST).is_file():
+                r = {**shard_set_record(d, role="evaluation" if split == "test" else "training"),
+                     "name": f"{task}/{split}"}
+                records.append(r)
+                if split == "train800":
+                    main.append(r)
+    return records, main
+
+
 def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
     from ray import tune
 
@@ -293,11 +311,18 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
     uri = tracking.tracking_uri()
     resources = {"cpu": cfg.cpus_per_trial, **({"gpu": cfg.gpus_per_trial} if cfg.gpus_per_trial else {})}
     names = list(tasks)
+    records, main = task_records(tasks)
+    upstream = [u for u in ([tracking.read_lineage(cfg.pretrained)] if cfg.pretrained else []) if u]
+    name = f"vtab {len(names)} tasks" + (f" from {Path(cfg.pretrained).parent.name}" if cfg.pretrained else "")
     run_ctx = (tracking.start_run("vtab", run_id=state["mlflow_run_id"]) if state else
-               tracking.start_run("vtab", params={**config, "tasks": names}, parent_run_id=cfg.parent_run_id))
+               tracking.start_run("vtab", params={**config, "tasks": names}, parent_run_id=cfg.parent_run_id,
+                                  run_name=name, tags=tracking.run_tags(config, data=records, main=main,
+                                                                        models=upstream)))
     with run_ctx as run:
         if state:
             close_interrupted_children(run.info.run_id)
+        else:
+            tracking.log_shard_inputs(records)
         save_sweep_state(output, config, run.info.run_id)
         common = {"cfg": config, "tasks": tasks, "mlflow_parent": run.info.run_id, "mlflow_uri": uri}
         grid = tune_sweep(vtab_trial, {"task": tune.grid_search(names), "setting": tune.grid_search(cfg.settings()),

@@ -95,3 +95,88 @@ def test_experiments_are_marked_as_model_training(mlflow_store):
 def test_ui_url_opens_the_runs_table():
     assert tracking.ui_url("7") == "http://127.0.0.1:5000/#/experiments/7?workflowType=machine_learning"
     assert tracking.ui_url("7", "http://h:1/").startswith("http://h:1/#/experiments/7?")
+
+
+def test_each_stage_has_its_experiment_and_children_stay_with_their_parent(mlflow_store, monkeypatch):
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    with tracking.start_run("fewshot") as stage:
+        pass
+    with tracking.start_run("fewshot-task", parent_run_id=stage.info.run_id) as task:
+        pass
+    exp = client.get_experiment(stage.info.experiment_id)
+    assert exp.name == "vitscale-fewshot" == tracking.experiment_name("fewshot")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    t = client.get_run(task.info.run_id)
+    assert t.info.experiment_id == stage.info.experiment_id and t.data.tags["mlflow.parentRunId"] == stage.info.run_id
+
+    monkeypatch.setenv("VITSCALE_EXPERIMENT_PREFIX", "team")
+    assert tracking.experiment_name("dedup-calibration") == "team-dedup-calibration"
+
+
+def test_a_parent_in_another_experiment_is_a_tag_not_a_nesting(mlflow_store, monkeypatch):
+    # The demo's grouping run lives in vitscale-demo; its stages in their own experiments.
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    with tracking.start_run("demo") as demo:
+        pass
+    monkeypatch.setenv("VITSCALE_PARENT_RUN_ID", demo.info.run_id)
+    with tracking.start_run("prepare") as prep:
+        pass
+    trial = tracking.create_child_run(prep.info.run_id, "child", stage="prepare-part")
+    r = client.get_run(prep.info.run_id)
+    assert client.get_experiment(r.info.experiment_id).name == "vitscale-prepare"
+    assert "mlflow.parentRunId" not in r.data.tags
+    assert r.data.tags["vitscale.parent_run_id"] == r.data.tags["vitscale.demo_run_id"] == demo.info.run_id
+    # Children of a demo stage carry the demo's id too, so one tag search finds the demo's runs.
+    assert client.get_run(trial).data.tags["vitscale.demo_run_id"] == demo.info.run_id
+
+
+def test_run_tags_carry_lineage_transitively():
+    corpus = {"manifest_sha256": "a" * 64, "prepare_run_id": "p1", "dedup_run_ids": ["d1"],
+              "dedup_state": "ingest vs t: 3 removed"}
+    train = {"manifest_sha256": "b" * 64, "prepare_run_id": "p2", "dedup_run_ids": [], "dedup_state": "none"}
+    pre = tracking.run_tags({"lr": 0.1, "parent_run_id": "x"}, data=[corpus])
+    assert pre["vitscale.input_manifest_sha256"] == "a" * 64 and pre["vitscale.dedup_state"] == "ingest vs t: 3 removed"
+    assert pre["vitscale.lineage.prepare"] == "p1" and pre["vitscale.lineage.dedup"] == "d1"
+    assert pre["vitscale.config_hash"] == tracking.config_hash({"lr": 0.1}) and len(pre["vitscale.config_hash"]) == 16
+    assert pre["vitscale.git_commit"]
+    model = {"run_id": "r-pre", "stage": "pretrain", "tags": pre}
+    fine = tracking.run_tags({"lr": 0.01}, data=[train, corpus], main=[train], models=[model])
+    assert fine["vitscale.lineage.prepare"] == "p1,p2"  # the pre-training's data first, then its own
+    assert fine["vitscale.lineage.dedup"] == "d1" and fine["vitscale.lineage.pretrain"] == "r-pre"
+    assert fine["vitscale.input_manifest_sha256"] == "b" * 64
+    assert fine["vitscale.dedup_state"] == "none | pre-training data: ingest vs t: 3 removed"
+
+
+def test_lineage_beside_a_model_and_shard_sets_as_dataset_inputs(mlflow_store, tmp_path):
+    shards = tmp_path / "corpus"
+    shards.mkdir()
+    (shards / "manifest.json").write_text('{"schema_version": 1, "shards": [], "num_rows": 0, '
+                                          '"mlflow_run_id": "prep-1", "counts": {"duplicates": {"corpus": 0}}}')
+    from pipelines.schema import shard_set_record
+
+    record = shard_set_record(shards)
+    assert record["prepare_run_id"] == "prep-1" and record["dedup_state"] == "none" and record["name"] == "corpus"
+    with tracking.start_run("pretrain", tags=tracking.run_tags({}, data=[record])) as run:
+        tracking.log_shard_inputs([record])
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    tracking.write_lineage(tmp_path, run, "pretrain")
+    lineage = tracking.read_lineage(tmp_path / "model.safetensors")
+    assert lineage["run_id"] == run.info.run_id and lineage["tags"]["vitscale.lineage.prepare"] == "prep-1"
+    assert tracking.read_lineage(tmp_path / "nowhere" / "model.safetensors") == {}
+
+    inputs = mlflow.MlflowClient(tracking.tracking_uri()).get_run(run.info.run_id).inputs.dataset_inputs
+    (d,) = inputs
+    assert d.dataset.name == "corpus" and d.dataset.digest == record["manifest_sha256"][:36]
+    assert str(shards) in d.dataset.source
+    assert {t.key: t.value for t in d.tags}["mlflow.data.context"] == "training"
+
+
+def test_a_stage_run_inside_an_active_driver_run_is_not_nested_across_experiments(mlflow_store):
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    with tracking.start_run("demo") as demo:
+        with tracking.start_run("dedup", parent_run_id=demo.info.run_id) as stage:
+            assert mlflow.active_run().info.run_id == stage.info.run_id
+        assert mlflow.active_run().info.run_id == demo.info.run_id
+    r = client.get_run(stage.info.run_id)
+    assert "mlflow.parentRunId" not in r.data.tags and r.data.tags["vitscale.demo_run_id"] == demo.info.run_id
+    assert r.info.status == "FINISHED" and r.data.tags.get("mlflow.source.name")

@@ -67,7 +67,7 @@ def test_job_removes_planted_duplicates_incrementally(corpus, monkeypatch):
     assert len(_removed(shards)) == 3
 
     mlflow.set_tracking_uri(f"sqlite:///{corpus / 'mlruns' / 'mlflow.db'}")
-    runs = mlflow.search_runs(experiment_names=["vitscale"], filter_string="tags.`vitscale.stage` = 'dedup'")
+    runs = mlflow.search_runs(experiment_names=["vitscale-dedup"], filter_string="tags.`vitscale.stage` = 'dedup'")
     assert sorted(runs["metrics.new_removals"].tolist()) == [0.0, 1.0, 2.0]
 
 

@@ -157,11 +157,11 @@ def test_remote_server_on_postgres_with_basic_auth(postgres, tmp_path, free_port
         auth = (ADMIN, ADMIN_PASSWORD)
         exps = requests.post(search, json={"max_results": 100}, auth=auth, timeout=10)
         assert exps.status_code == 200, exps.text
-        exp = next(e for e in exps.json()["experiments"] if e["name"] == "vitscale")
+        exp = next(e for e in exps.json()["experiments"] if e["name"] == "vitscale-prepare")
         assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in exp["tags"]
         runs = requests.post(url + "/api/2.0/mlflow/runs/search", json={"experiment_ids": [exp["experiment_id"]]},
                              auth=auth, timeout=10).json()["runs"]
-        assert [r["info"]["run_name"] for r in runs] == ["prepare"]
+        assert [r["info"]["run_name"] for r in runs] == ["prepare shards"]
         run_id = runs[0]["info"]["run_id"]
         got = requests.get(url + "/api/2.0/mlflow/runs/get", params={"run_id": run_id}, auth=auth, timeout=10)
         assert got.status_code == 200
@@ -184,7 +184,7 @@ def test_remote_server_on_postgres_with_basic_auth(postgres, tmp_path, free_port
         with psycopg2.connect(host=postgres["host"], port=postgres["port"], user=DB_USER, password=DB_PASSWORD,
                               dbname=DB_NAME) as conn, conn.cursor() as cur:
             cur.execute("SELECT run_uuid, name FROM runs")
-            assert cur.fetchall() == [(run_id, "prepare")]
+            assert cur.fetchall() == [(run_id, "prepare shards")]
             cur.execute("SELECT username FROM users")
             assert [u for (u,) in cur.fetchall()] == [ADMIN]
     finally:

@@ -1,5 +1,6 @@
-"""The MLflow UI seen the way a user sees it: real stages write a store, `server.sh local` serves
-it on 127.0.0.1, and headless Chromium renders the pages the user opens.
+"""The MLflow UI seen the way a user sees it: the demo's stages (the session's ``small_demo``) and a
+dedup with matches write a store, `server.sh local` serves it on 127.0.0.1, and headless Chromium
+renders the pages the user opens.
 
 The screenshots stay as test artifacts: the test prints the folder they are in.
 """
@@ -51,10 +52,9 @@ def _text(dom: str) -> str:
     return re.sub(r"\s+", " ", html.unescape(re.sub(r"(?s)<[^>]+>", " ", dom)))
 
 
-def _write_store(work: Path, env: dict[str, str]) -> None:
-    """What real stages write: prepare over a dozen images, dedup against a test set that
-    shares two of them (a contact sheet PNG), and a training run's params, step metrics and
-    curve plot logged through common.tracking."""
+def _write_dedup_runs(work: Path, env: dict[str, str]) -> None:
+    """A prepare over a dozen images and a dedup against a test set that shares two of them, so
+    that the dedup run has a contact sheet of its matches (the demo's dedup finds nothing new)."""
     import numpy as np
     from PIL import Image
     from skimage import data as skdata
@@ -79,43 +79,28 @@ def _write_store(work: Path, env: dict[str, str]) -> None:
     job(str(REPO / "jobs" / "prepare.py"), "--input", str(corpus), "--output", str(work / "shards"),
         "--size", "64", "--workers", "1")
     job(str(REPO / "jobs" / "dedup.py"), "--shards", str(work / "shards"), "--test-set", f"mini={test_set}")
-    job("-c", _TRAINING_RUN, str(work / "curves.png"))
 
 
-# A training run as pretrain logs it: config params, per-step metrics, and the curves as a PNG.
-_TRAINING_RUN = """
-import sys
-import matplotlib
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from common import tracking
-
-loss = [2.3 * 0.93 ** s for s in range(30)]
-acc = [1 - l / 2.5 for l in loss]
-with tracking.start_run("pretrain", params={"model": "Ti/16", "epochs": 2, "base_lr": 0.003, "batch_size": 32}):
-    for step, (l, a) in enumerate(zip(loss, acc)):
-        tracking.log_metrics({"train_loss": l, "val_accuracy": a}, step=step)
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(loss, label="train_loss")
-    ax.plot(acc, label="val_accuracy")
-    ax.set_xlabel("step")
-    ax.legend()
-    fig.savefig(sys.argv[1], dpi=80)
-    tracking.log_artifact(sys.argv[1], "plots")
-"""
+STAGES = ("prepare", "dedup", "pretrain", "finetune", "vtab", "fewshot", "demo")
 
 
-def test_the_ui_shows_every_stage_and_a_runs_params_metrics_and_plots(tmp_path, free_port, stop_process_group):
+def test_the_ui_shows_every_stage_and_a_runs_params_metrics_and_plots(small_demo, tmp_path, free_port,
+                                                                      stop_process_group):
     _chromium()  # fail first, clearly, when the browser is missing
     shots = tmp_path / "screenshots"
     shots.mkdir()
     print(f"\nMLflow UI screenshots: {shots}")
+    # A copy of the demo's store (its runs' artifacts stay where the demo wrote them), plus a
+    # dedup that finds matches, in experiments of their own (prefix "ui") so that their artifacts
+    # land in this test's folder.
     home = tmp_path / "mlruns"
+    home.mkdir()
+    shutil.copy(small_demo["home"] / "mlflow.db", home / "mlflow.db")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MLFLOW_", "VITSCALE_"))}
     env.update(VITSCALE_HOME=str(home), PYTHONPATH=str(REPO), MLFLOW_BIN=str(Path(sys.executable).parent / "mlflow"))
     t0 = time.monotonic()
-    _write_store(tmp_path, env)
-    print(f"stages wrote the store in {time.monotonic() - t0:.0f}s")
+    _write_dedup_runs(tmp_path, {**env, "VITSCALE_EXPERIMENT_PREFIX": "ui"})
+    print(f"prepare and dedup wrote their runs in {time.monotonic() - t0:.0f}s")
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -136,35 +121,52 @@ def test_the_ui_shows_every_stage_and_a_runs_params_metrics_and_plots(tmp_path, 
             time.sleep(0.5)
         print(f"server up in {time.monotonic() - t0:.0f}s")
 
-        exp = requests.get(url + "/api/2.0/mlflow/experiments/get-by-name", params={"experiment_name": "vitscale"},
-                           timeout=10).json()["experiment"]
-        runs = requests.post(url + "/api/2.0/mlflow/runs/search", json={"experiment_ids": [exp["experiment_id"]]},
-                             timeout=10).json()["runs"]
-        by_name = {r["info"]["run_name"]: r["info"]["run_id"] for r in runs}
-        assert set(by_name) == {"prepare", "dedup", "pretrain"}, by_name
+        def experiment(name: str) -> tuple[str, dict[str, str]]:
+            exp = requests.get(url + "/api/2.0/mlflow/experiments/get-by-name", params={"experiment_name": name},
+                               timeout=10).json()["experiment"]
+            runs = requests.post(url + "/api/2.0/mlflow/runs/search",
+                                 json={"experiment_ids": [exp["experiment_id"]], "max_results": 1000},
+                                 timeout=10).json()["runs"]
+            top = {r["info"]["run_name"]: r["info"]["run_id"] for r in runs
+                   if not any(t["key"] == "mlflow.parentRunId" for t in r["data"].get("tags", []))}
+            return exp["experiment_id"], top
 
-        # The experiment page a user is sent to (tracking.ui_url): the runs table, with a run of
-        # every stage, not the GenAI overview.
-        exp_id = exp["experiment_id"]
-        page = _text(_render(tracking.ui_url(exp_id, url), tmp_path, shots / "experiment.png"))
-        assert "Run Name" in page and "Model training" in page, page[:3000]
-        for name in by_name:
-            assert re.search(rf"\b{name}\b", page), f"run {name!r} not on the experiment page: {page[:3000]}"
+        # Each stage's experiment page, as a user is sent to it (tracking.ui_url): the runs table
+        # of that stage only, every top-level run listed by its readable name.
+        ids, runs = {}, {}
+        for stage in STAGES:
+            ids[stage], runs[stage] = experiment(f"vitscale-{stage}")
+            assert runs[stage], stage
+            page = _text(_render(tracking.ui_url(ids[stage], url), tmp_path, shots / f"experiment-{stage}.png"))
+            assert "Run Name" in page and "Model training" in page, page[:3000]
+            for name in runs[stage]:
+                # The table cuts long names with an ellipsis; the first 20 characters show.
+                assert name[:20] in page, f"{stage}: run {name!r} not on the experiment page: {page[:3000]}"
+        assert len(runs["prepare"]) == 12 and "corpus (" in _text(_render(  # the Dataset column: name (digest)
+            tracking.ui_url(ids["pretrain"], url), tmp_path))
 
-        # The training run's page: its params and metrics...
-        run_url = f"{url}/#/experiments/{exp_id}/runs/{by_name['pretrain']}"
         ml = "?workflowType=machine_learning"
+        ((pre_name, pre_id),) = runs["pretrain"].items()
+        run_url = f"{url}/#/experiments/{ids['pretrain']}/runs/{pre_id}"
         page = _text(_render(run_url + ml, tmp_path, shots / "pretrain-run.png"))
-        for text in ("Parameters", "base_lr", "0.003", "batch_size", "Ti/16", "Metrics", "train_loss", "val_accuracy"):
+        for text in ("Parameters", "variant", "Ti/8", "batch_size", "Metrics", "train_loss", "images_per_second",
+                     "vitscale.stage", "vitscale.config_hash", "corpus"):
             assert text in page, f"{text!r} not on the run page: {page[:3000]}"
-        # ...and its plot, shown in the artifacts view.
-        dom = _render(f"{run_url}/artifacts/plots/curves.png{ml}", tmp_path, shots / "pretrain-plot.png")
-        assert "plots/curves.png" in _text(dom) and re.search(r"<img[^>]+curves\.png", dom), _text(dom)[:3000]
+        # ...and its plots, shown in the artifacts view.
+        dom = _render(f"{run_url}/artifacts/plots/pretrain_curves.png{ml}", tmp_path, shots / "pretrain-curves.png")
+        assert "plots/pretrain_curves.png" in _text(dom) and re.search(r"<img[^>]+pretrain_curves\.png", dom), \
+            _text(dom)[:3000]
+        ((_, fine_id),) = runs["finetune"].items()
+        dom = _render(f"{url}/#/experiments/{ids['finetune']}/runs/{fine_id}/artifacts/plots/finetune_grid.png{ml}",
+                      tmp_path, shots / "finetune-grid.png")
+        assert re.search(r"<img[^>]+finetune_grid\.png", dom), _text(dom)[:3000]
 
         # The dedup run shows its contact sheet of the test-set matches.
-        dom = _render(f"{url}/#/experiments/{exp_id}/runs/{by_name['dedup']}/artifacts/dedup_report/contact_sheet.png{ml}",
+        dedup_exp, dedup_runs = experiment("ui-dedup")
+        ((_, dedup_id),) = dedup_runs.items()
+        dom = _render(f"{url}/#/experiments/{dedup_exp}/runs/{dedup_id}/artifacts/dedup_report/contact_sheet.png{ml}",
                       tmp_path, shots / "dedup-contact-sheet.png")
         assert "dedup_summary.json" in _text(dom) and re.search(r"<img[^>]+contact_sheet\.png", dom), _text(dom)[:3000]
-        print(f"four pages rendered and checked by {time.monotonic() - t0:.0f}s")
+        print(f"pages rendered and checked by {time.monotonic() - t0:.0f}s")
     finally:
         stop_process_group(proc)
