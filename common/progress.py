@@ -56,6 +56,8 @@ NOISE = (
     # Every report with a checkpoint, from Train workers and Tune trials alike.
     r"pid=[^)]*\)\S* Checkpoint successfully created at: ",
     r"TrainingReport\(",
+    # MLflow's system-metrics monitor announcing itself (the metrics land in the run).
+    r"INFO mlflow\.system_metrics\.system_metrics_monitor: ",
     # Ray Tune's pointer to TensorBoard logs this project does not write.
     r"To visualize your results with TensorBoard",
     r"tensorboard --logdir",

@@ -235,6 +235,7 @@ def start_run(
             extra[TAG_DEMO_RUN] = demo
     elif parent is not None and parent.data.tags.get(TAG_DEMO_RUN):
         extra[TAG_DEMO_RUN] = parent.data.tags[TAG_DEMO_RUN]
+    run_name = utf8_text(run_name or stage)  # a name built from a folder that is not UTF-8 (MLflow's store takes UTF-8 only)
     all_tags = {TAG_STAGE: stage, **extra,
                 **{utf8_text(k): utf8_text(str(v)) for k, v in (tags or {}).items()}}
     if not nested and mlflow.active_run() is not None:
@@ -243,10 +244,10 @@ def start_run(
         from mlflow.tracking.context import registry
 
         created = mlflow.MlflowClient(tracking_uri()).create_run(
-            exp_id, run_name=run_name or stage, tags=registry.resolve_tags(all_tags))
+            exp_id, run_name=run_name, tags=registry.resolve_tags(all_tags))
         ctx = mlflow.start_run(run_id=created.info.run_id, nested=True, log_system_metrics=log_system_metrics)
     else:
-        ctx = mlflow.start_run(experiment_id=exp_id, run_name=run_name or stage,
+        ctx = mlflow.start_run(experiment_id=exp_id, run_name=run_name,
                                parent_run_id=parent_run_id if nested else None, nested=nested, tags=all_tags,
                                log_system_metrics=log_system_metrics)
     with ctx as run:

@@ -246,7 +246,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     atomic_write(work / "demo_summary.json", json.dumps(summary, indent=2, default=str))
     # Every run of the store, this demo's and any earlier one's, side by side (jobs/report.py).
     report = run_report(ReportConfig(output=str(work / "report.html")),
-                        tags={"vitscale.demo_run_id": demo_run.info.run_id})
+                        tags={tracking.TAG_DEMO_RUN: demo_run.info.run_id, tracking.TAG_PARENT_RUN: demo_run.info.run_id})
     summary["report"] = report["output"]
     atomic_write(work / "demo_summary.json", json.dumps(summary, indent=2, default=str))
     return summary

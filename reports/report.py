@@ -95,7 +95,7 @@ def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict
     with tracking.start_run("report", params={"experiment": list(cfg.experiment), "run_id": list(cfg.run_id),
                                               "output": str(output)},
                             run_name="report " + (chosen if len(chosen) < 200 else f"{len(runs)} runs"),
-                            tags=tags) as run:
+                            tags={**tracking.run_tags(dataclasses.asdict(cfg)), **(tags or {})}) as run:
         tracking.log_metrics({"runs": len(runs), **{f"runs.{s}": sum(r.stage == s for r in runs) for s in STAGES}})
         _log_bytes(page.encode("utf-8"), REPORT_FILE)  # one name in every report run, whatever --output says
         for name, png in pngs.items():

@@ -30,7 +30,7 @@ from typing import Any, Literal
 import numpy as np
 
 from common.config import ConfigError, check
-from common.progress import TTY_EVERY, ProgressLine, Ticker, eta_text
+from common.progress import TTY_EVERY, ProgressLine, Ticker, eta_text, progress_every
 
 SCHEDULES = ("linear", "cosine")
 MODEL_FILE = "model.safetensors"
@@ -758,7 +758,10 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         )
         shown = StepProgress(ProgressLine("pretrain"), board)
         try:
-            with Ticker(shown.tick, TTY_EVERY):
+            # Poll at least as often as lines are due: a short run's steps must not all fall
+            # between two polls (only the newest step of each poll gets a line).
+            every = progress_every()
+            with Ticker(shown.tick, max(0.05, min(TTY_EVERY, every) if every > 0 else TTY_EVERY)):
                 result = trainer.fit()
         except Exception as exc:
             raise _config_error_from_workers(exc) or exc

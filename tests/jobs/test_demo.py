@@ -50,9 +50,10 @@ def test_every_stage_is_a_run_in_its_own_experiment_naming_the_demo(small_demo):
     demo = client.get_run(demo_id)
     assert client.get_experiment(demo.info.experiment_id).name == "vitscale-demo"
     stages = _top_level(client, demo_id)
-    # 3 prepares for the corpus and digits, 3 per VTAB-style task (train800, val200, test)
+    # 3 prepares for the corpus and digits, 3 per VTAB-style task (train800, val200, test); the
+    # demo ends with the comparison report
     assert sorted(r.data.tags["vitscale.stage"] for r in stages) == (
-        ["dedup", "fewshot", "finetune"] + ["prepare"] * 12 + ["pretrain", "vtab"])
+        ["dedup", "fewshot", "finetune"] + ["prepare"] * 12 + ["pretrain", "report", "vtab"])
     for r in stages:
         exp = client.get_experiment(r.info.experiment_id)
         assert exp.name == f"vitscale-{r.data.tags['vitscale.stage']}", exp.name

@@ -280,11 +280,44 @@ def test_killed_worker_restarts_and_resubmission_continues(cluster, corpus, tmp_
     assert again["steps"] == 420 and again["resumed_from_step"] == 400 and again["restarts"] == 0
 
 
-def test_both_nodes_listen_on_loopback_only(cluster, tcp_listeners, loopback_addresses):
-    """After the jobs above, every port of either node (GCS, dashboard, raylets, agents, workers) is on loopback."""
+def test_a_head_started_as_local_cluster_sh_does_listens_on_loopback_only(free_port, stop_process_group, tcp_listeners,
+                                                                          loopback_addresses, tmp_path):
+    """infra/ray/local-cluster.sh's head (multi-node support off): every port on 127.0.0.1.
+
+    The two-node cluster above cannot be loopback-only: with multi-node support on, Ray 2.60
+    binds each node's external address whatever --node-ip-address says, which is what nodes
+    on separate machines need. A single-machine head turns it off, as the script does.
+    """
     if tcp_listeners is None:
         pytest.skip("reads /proc")
-    for pid in cluster["pids"]:
-        found = tcp_listeners(pid)
-        assert len(found) >= 4, found  # raylet's node and object managers, agents, and on the head GCS and dashboard
+    env = dict(os.environ, PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}", RAY_AUTH_MODE="token",
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([str(BIN / "ray"), "get-auth-token", "--generate"], env=env, check=True, capture_output=True,
+                   timeout=60)
+    temp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
+    dash = free_port()
+    head = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=1",
+         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats", *_ports(free_port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        deadline = time.time() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{dash}/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:
+                break  # 401 until a token is sent: the dashboard is up
+            except OSError:
+                if time.time() > deadline or head.poll() is not None:
+                    pytest.fail("ray start --head did not bring the dashboard up")
+                time.sleep(1)
+        time.sleep(3)  # the agents open their ports after the dashboard
+        found = tcp_listeners(head.pid)
+        assert len(found) >= 8, found  # GCS, dashboard, raylet's node and object managers, agents, client server
         assert {addr for addr, _ in found} <= loopback_addresses, sorted(found)
+    finally:
+        stop_process_group(head)
+        shutil.rmtree(temp, ignore_errors=True)
