@@ -32,6 +32,20 @@ def _ports(free_port) -> list[str]:
             f"--min-worker-port={low}", f"--max-worker-port={low + 150}"]
 
 
+def wait_for_dashboard(address: str, head: subprocess.Popen, deadline: float) -> None:
+    """Until the head's dashboard answers at all (401 until a token is sent means it is up)."""
+    while True:
+        try:
+            urllib.request.urlopen(f"{address}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            if time.time() > deadline or head.poll() is not None:
+                pytest.fail("ray start --head did not bring the dashboard up")
+            time.sleep(1)
+
+
 @pytest.fixture(scope="module")
 def cluster(free_port, stop_process_group):
     """A head and a second node, each with one `node_slot`, joined over loopback with token auth."""
@@ -56,16 +70,7 @@ def cluster(free_port, stop_process_group):
     address = f"http://127.0.0.1:{dash}"
     try:
         deadline = time.time() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{address}/api/version", timeout=2)
-                break
-            except urllib.error.HTTPError:
-                break  # 401 until a token is sent: the dashboard is up
-            except OSError:
-                if time.time() > deadline or head.poll() is not None:
-                    pytest.fail("ray start --head did not bring the dashboard up")
-                time.sleep(1)
+        wait_for_dashboard(address, head, deadline)
         node_log = node_temp / "ray-start.log"
 
         def start_node() -> subprocess.Popen:
@@ -302,17 +307,7 @@ def test_a_head_started_as_local_cluster_sh_does_listens_on_loopback_only(free_p
          f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats", *_ports(free_port)],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
     try:
-        deadline = time.time() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{dash}/api/version", timeout=2)
-                break
-            except urllib.error.HTTPError:
-                break  # 401 until a token is sent: the dashboard is up
-            except OSError:
-                if time.time() > deadline or head.poll() is not None:
-                    pytest.fail("ray start --head did not bring the dashboard up")
-                time.sleep(1)
+        wait_for_dashboard(f"http://127.0.0.1:{dash}", head, time.time() + 180)
         time.sleep(3)  # the agents open their ports after the dashboard
         found = tcp_listeners(head.pid)
         assert len(found) >= 8, found  # GCS, dashboard, raylet's node and object managers, agents, client server
