@@ -259,10 +259,12 @@ def start_run(
 # -- the tagging scheme ------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     """The commit of the code that runs, or "unknown" outside a git checkout (under ``ray job
     submit`` the working dir is an uploaded copy without ``.git``). A checkout with local
-    changes gets ``-dirty``, so that a tag never claims a commit the code does not match."""
+    changes gets ``-dirty``, so that a tag never claims a commit the code does not match. Once
+    per process: the code a process runs does not change under it, and the demo tags ~20 runs."""
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
