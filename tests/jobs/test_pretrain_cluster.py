@@ -23,17 +23,33 @@ BIN = Path(sys.executable).parent
 TINY = ["--variant", "Ti/8", "--depth", "1", "--img-size", "32", "--warmup-steps", "2", "--holdout", "0.1"]
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Worker port ranges come from below the kernel's ephemeral range, where `free_port()` never
+# lands: Ray refuses to start (exit 1) when one of a node's named ports falls inside its own
+# worker range, which a random range inside the ephemeral one did about one suite in ten.
+# Each node of a run gets its own range, so workers of two nodes never race for a port.
+# Above 20000, clear of the default range (10002-19999) that the suite's in-process Ray uses.
+_WORKER_RANGES = iter(range(20000 + random.randrange(0, 4000, 200), max(_ephemeral_low(), 30000) - 200, 200))
+
+
 def _ports(free_port) -> list[str]:
     # Every port explicit: the suite's in-process Ray and other clusters hold the defaults.
-    low = random.randrange(30000, 60000, 200)
+    low = next(_WORKER_RANGES)
     return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
             f"--metrics-export-port={free_port()}", f"--runtime-env-agent-port={free_port()}",
             f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
             f"--min-worker-port={low}", f"--max-worker-port={low + 150}"]
 
 
-def wait_for_dashboard(address: str, head: subprocess.Popen, deadline: float) -> None:
-    """Until the head's dashboard answers at all (401 until a token is sent means it is up)."""
+def wait_for_dashboard(address: str, head: subprocess.Popen, deadline: float, log: Path) -> None:
+    """Until the head's dashboard answers at all (401 until a token is sent means it is up).
+    On failure, the head's own output (`log`) says why."""
     while True:
         try:
             urllib.request.urlopen(f"{address}/api/version", timeout=2)
@@ -42,7 +58,8 @@ def wait_for_dashboard(address: str, head: subprocess.Popen, deadline: float) ->
             return
         except OSError:
             if time.time() > deadline or head.poll() is not None:
-                pytest.fail("ray start --head did not bring the dashboard up")
+                pytest.fail(f"ray start --head did not bring the dashboard up (exit {head.poll()}):\n"
+                            + (log.read_text()[-3000:] if log.exists() else ""))
             time.sleep(1)
 
 
@@ -60,17 +77,19 @@ def cluster(free_port, stop_process_group):
     node_temp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))
     port, dash = free_port(), free_port()
     slot = json.dumps({"node_slot": 1})
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",
-         f"--resources={slot}", f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}",
-         "--disable-usage-stats", *_ports(free_port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    head_log = temp / "ray-start.log"
+    with open(head_log, "w") as log:
+        head = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=2",
+             f"--resources={slot}", f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}",
+             "--disable-usage-stats", *_ports(free_port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     procs = [head]
     address = f"http://127.0.0.1:{dash}"
     try:
         deadline = time.time() + 180
-        wait_for_dashboard(address, head, deadline)
+        wait_for_dashboard(address, head, deadline, head_log)
         node_log = node_temp / "ray-start.log"
 
         def start_node() -> subprocess.Popen:
@@ -301,13 +320,15 @@ def test_a_head_started_as_local_cluster_sh_does_listens_on_loopback_only(free_p
                    timeout=60)
     temp = Path(tempfile.mkdtemp(prefix="rl", dir="/tmp"))
     dash = free_port()
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=1",
-         f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats", *_ports(free_port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    head_log = temp / "ray-start.log"
+    with open(head_log, "w") as log:
+        head = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--include-dashboard=true", "--num-cpus=1",
+             f"--ray-client-server-port={free_port()}", f"--temp-dir={temp}", "--disable-usage-stats", *_ports(free_port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        wait_for_dashboard(f"http://127.0.0.1:{dash}", head, time.time() + 180)
+        wait_for_dashboard(f"http://127.0.0.1:{dash}", head, time.time() + 180, head_log)
         time.sleep(3)  # the agents open their ports after the dashboard
         found = tcp_listeners(head.pid)
         assert len(found) >= 8, found  # GCS, dashboard, raylet's node and object managers, agents, client server
