@@ -99,8 +99,11 @@ def tracking_uri() -> str:
 
 
 def ui_command(uri: str | None = None) -> str:
+    """The command that serves the UI on ``uri``. MLflow's GenAI job runner stays off: vitscale
+    submits no such jobs, and it would start eight more processes (about 1.1 GB)."""
     uri = uri or tracking_uri()
-    return f".venv/bin/mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000"
+    return (f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false .venv/bin/mlflow ui --backend-store-uri {uri} "
+            "--host 127.0.0.1 --port 5000")
 
 
 def ui_url(experiment_id: str, base: str = "http://127.0.0.1:5000") -> str:

@@ -18,6 +18,11 @@
 #         MLFLOW_SERVER_ALLOWED_HOSTS   Host headers to accept besides localhost and private
 #                                       IPs, e.g. mlflow.vitscale.svc:5000 (read by mlflow)
 #
+#   Either mode: MLFLOW_SERVER_ENABLE_JOB_EXECUTION defaults to false here. It runs MLflow's
+#   GenAI jobs (scorers, judges, evaluations), which vitscale never submits; on, it starts a
+#   job runner and seven queue consumers, about 1.1 GB of memory, and leaves their queue
+#   folder in /dev/shm after every stop. Set it to true to have them.
+#
 #   Either mode: MLFLOW_AUTH=basic turns on MLflow basic auth (needs mlflow[auth]), with
 #   MLFLOW_AUTH_ADMIN_PASSWORD (first start creates the admin user; MLFLOW_AUTH_ADMIN_USERNAME,
 #   default admin) and MLFLOW_FLASK_SERVER_SECRET_KEY (shared by all workers). Clients then set
@@ -110,6 +115,7 @@ INI
   args+=(--app-name basic-auth)
 fi
 
+export MLFLOW_SERVER_ENABLE_JOB_EXECUTION="${MLFLOW_SERVER_ENABLE_JOB_EXECUTION:-false}"
 cmd=("$mlflow_bin" server "${args[@]}")
 if ((dry_run)); then
   # The password in a postgres URI is not printed.

@@ -305,6 +305,15 @@ def test_mlflow_server_script_local_mode_serves_the_jobs_store(tmp_path, free_po
                 if proc.poll() is not None or time.time() > deadline:
                     pytest.fail(f"server.sh local did not come up: {proc.stdout.read()[-3000:] if proc.poll() is not None else 'timeout'}")
                 time.sleep(0.5)
+        # MLflow's GenAI job runner stays off: no job runner or queue consumers in the server's group.
+        group = []
+        for entry in os.listdir("/proc"):
+            try:
+                if entry.isdigit() and os.getpgid(int(entry)) == proc.pid:
+                    group.append(Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+            except OSError:
+                continue
+        assert group and not [c for c in group if "huey" in c or "jobs._job_runner" in c], group
         client = subprocess.run(
             [sys.executable, "-c",
              "from common import tracking\n"
