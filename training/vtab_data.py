@@ -140,20 +140,22 @@ def _class_files(root: Path) -> dict[str, list[Path]]:
             for d in sorted(root.iterdir()) if d.is_dir()}
 
 
-def _ingest(files: list[tuple[Path, str]], out: Path, label_map: Path, cfg: VtabPrepareConfig, staging: Path) -> dict:
-    """Copy ``(file, class)`` pairs into class folders under ``staging`` and run the Beam ingest on them."""
+def _ingest(files: list[tuple[Path, str]], out: Path, label_map: Path, cfg: VtabPrepareConfig, manifest: Path) -> dict:
+    """Run the Beam ingest on ``(file, class)`` pairs, listed in a JSONL manifest at ``manifest``.
+
+    The images are read where they are, so each row's ``source`` names the original file and its
+    ``key`` (a hash of that uri) is the same on every run over the same folders: the split's row
+    order, and with it training order and few-shot draws, repeats. (Copies in a temporary folder
+    gave every run new keys, and sources that no longer existed.)"""
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
 
-    if staging.exists():
-        shutil.rmtree(staging)
-    for i, (path, cls) in enumerate(files):
-        d = staging / cls
-        d.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(path, d / f"{i:06d}{path.suffix.lower()}")
-    manifest = run_prepare(PrepareConfig(input=[str(staging)], output=str(out), size=cfg.size, upscale=cfg.upscale,
-                                         workers=cfg.workers, label_map=str(label_map)))
-    return manifest["counts"]
+    with open(manifest, "w", encoding="utf-8", errors="surrogateescape") as f:
+        for path, cls in files:
+            f.write(json.dumps({"uri": str(path.resolve()), "label": cls}) + "\n")
+    result = run_prepare(PrepareConfig(input=[str(manifest)], output=str(out), size=cfg.size, upscale=cfg.upscale,
+                                       workers=cfg.workers, label_map=str(label_map)))
+    return result["counts"]
 
 
 def from_folders(cfg: VtabPrepareConfig) -> dict[str, Any]:
@@ -178,7 +180,7 @@ def from_folders(cfg: VtabPrepareConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vtab-prepare-") as tmp:
         label_map = Path(tmp) / "label_map.json"
         label_map.write_text(json.dumps({c: i for i, c in enumerate(classes)}))
-        counts = {name: _ingest(files, out / name, label_map, cfg, Path(tmp) / name)
+        counts = {name: _ingest(files, out / name, label_map, cfg, Path(tmp) / f"{name}.jsonl")
                   for name, files in ((cfg.train_name, train_files), (cfg.val_name, val_files), ("test", test_files))}
     return {"output": str(out), "classes": len(classes), "counts": counts}
 
@@ -213,7 +215,11 @@ def from_tfds(cfg: VtabPrepareConfig) -> dict[str, Any]:
         label_map.write_text(json.dumps({f"{c:03d}": c for c in range(task.num_classes)}))
         for name, split, limit in ((cfg.train_name, task.train_split, cfg.train_size),
                                    (cfg.val_name, task.val_split, cfg.val_size), ("test", task.test_split, None)):
-            export = Path(tmp) / f"{name}-images"
+            # Exported beside the output, not in the random temp dir: the keys hash the images'
+            # paths, so a fixed place gives the same keys (and split order) on every run.
+            export = out / f".tfds-export-{name}"
+            if export.exists():
+                shutil.rmtree(export)
             files = []
             ds = builder.as_dataset(split=split, shuffle_files=False)
             if limit is not None:
@@ -230,7 +236,8 @@ def from_tfds(cfg: VtabPrepareConfig) -> dict[str, Any]:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 Image.fromarray(img.astype(np.uint8)).convert("RGB").save(path)
                 files.append((path, cls))
-            counts[name] = _ingest(files, out / name, label_map, cfg, Path(tmp) / name)
+            counts[name] = _ingest(files, out / name, label_map, cfg, Path(tmp) / f"{name}.jsonl")
+            shutil.rmtree(export)
     return {"output": str(out), "task": task.name, "classes": task.num_classes, "counts": counts}
 
 

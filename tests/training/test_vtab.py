@@ -71,6 +71,25 @@ def test_folders_converter_writes_three_splits_with_one_label_map(tasks):
     assert not keys["train800"] & keys["val200"]
 
 
+def test_folders_converter_repeats_its_keys_and_names_the_original_files(tasks, tmp_path, monkeypatch):
+    """The same folders converted again give the same keys in the same order, so a split's
+    training order and few-shot draws repeat; each row's source is the image it came from."""
+    from pipelines.schema import ShardSet
+    from training.data import shard_keys
+    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
+
+    raw = tasks["count"].parent / "raw" / "count"
+    assert (raw / "train").is_dir()
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "home"))
+    run_vtab_prepare(VtabPrepareConfig(source="folders", input=str(raw), output=str(tmp_path / "again"), size=32, **SIZES))
+    for split in ("train800", "val200", "test"):
+        first, again = ShardSet(tasks["count"] / split), ShardSet(tmp_path / "again" / split)
+        assert shard_keys(first) == shard_keys(again)
+        for i in range(len(again)):
+            source = again[i]["source"]
+            assert source.startswith(f"file://{raw.resolve()}/") and Path(source[len("file://"):]).is_file()
+
+
 def test_split_converter_is_deterministic(tasks, tmp_path):
     from pipelines.schema import ShardSet
     from training.data import shard_keys
