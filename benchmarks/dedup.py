@@ -31,9 +31,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 
 import numpy as np
 
-from dedup import signatures as sig
-from dedup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
-from dedup.index import TestSetIndex
+from neardup import signatures as sig
+from neardup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
+from neardup.index import TestSetIndex
 
 
 def main(argv=None) -> dict:

@@ -28,9 +28,9 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 import numpy as np
 from PIL import Image
 
-from dedup import signatures as sig
-from dedup.index import TestSetIndex
-from dedup.transforms import apply
+from neardup import signatures as sig
+from neardup.index import TestSetIndex
+from neardup.transforms import apply
 
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png", "camera.png")
 

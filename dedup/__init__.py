@@ -1,33 +1,7 @@
-"""Near-duplicate detection of pre-training images against downstream test sets (paper Section 4.1, after BiT).
+"""De-duplication jobs that read corpora and shard sets through :mod:`pipelines`.
 
-Modules: :mod:`dedup.signatures` (content hash and 128-bit luminance DCT
-signature), :mod:`dedup.index` (test-set index, multi-index hashing, Arrow
-persistence), :mod:`dedup.calibration` (transform benchmark and threshold),
-:mod:`dedup.transforms`, :mod:`dedup.rescan` / :mod:`dedup.job` (incremental
-re-check of shard sets, ``removed.jsonl``), :mod:`dedup.report`.
-
-What counts as a near-duplicate
--------------------------------
-A corpus image duplicates a test image when their decoded pixels are identical
-(content hash), or when, for one of its codes ``q`` (``signatures.corpus_codes``:
-the whole image, and two inner crops for test images cut from it: its
-10%-per-side centre trimmed again and its 12%-per-side centre)
-and some crop variant ``v`` of the test image
-(``signatures.CROP_VARIANTS``: 29 crops of 0..10% per side, also taken
-before border trimming where that differs):
-
-(a) one of the 6 leading 21-bit blocks of ``q`` and ``v`` differs in at most 1
-    bit (the *block condition*), and
-(b) ``q`` and ``v`` differ in at most ``threshold`` of 128 bits (default
-    ``index.DEFAULT_THRESHOLD`` = 28) for the whole-image code, 4 fewer
-    (``index.INNER_THRESHOLD_OFFSET``) for an inner crop.
-
-The search (``TestSetIndex.search``/``match``) is exact for this rule: it finds
-every pair the rule accepts and no other, and ``TestSetIndex.brute_force``
-evaluates the same rule over all pairs to check it. Condition (a) is part of
-the definition because it makes the search sub-linear, at a small cost in recall.
-The threshold is calibrated on held-out photos (:mod:`dedup.calibration`); its
-figures and the command that reproduces them are in benchmarks/README.md.
-
-Low-texture images (flat colour, soft gradients) match by content hash only.
+:mod:`dedup.job` and :mod:`dedup.rescan` re-check shard sets against test sets incrementally
+(``removed.jsonl``, ``dedup_state.json``); :mod:`dedup.calibration` measures the match rule on
+held-out photographs and chooses its threshold. The signatures, the match rule and the index
+they use are in :mod:`neardup`.
 """

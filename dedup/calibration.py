@@ -1,7 +1,7 @@
 """Calibration of the near-duplicate detector: transformed positives, distinct negatives, a threshold.
 
 From any set of images, each image is indexed as a "test image", every
-transform of :mod:`dedup.transforms` is applied to it to make a positive query,
+transform of :mod:`neardup.transforms` is applied to it to make a positive query,
 and every other image is a negative. Per transform and per threshold the tool
 reports precision, recall and false-match rate (FMR), overall FMR over all
 distinct ordered pairs, and plots them to a PNG.
@@ -9,7 +9,7 @@ distinct ordered pairs, and plots them to a PNG.
 The pool (:func:`photo_pool`) is the bundled photographs (:mod:`common.photos`) plus their
 non-overlapping tiles, which are hard negatives; ``--holdout`` splits it by source photograph
 so the threshold is chosen on one part and measured on the other. ``DEFAULT_THRESHOLD`` in
-:mod:`dedup.index` is this tool's choice. The recorded results, per transform, and the command
+:mod:`neardup.index` is this tool's choice. The recorded results, per transform, and the command
 that reproduces them: benchmarks/README.md, "Near-duplicate threshold and match rule".
 
 Reverse transforms (``transforms.REVERSE_TRANSFORMS``: the transformed image is the test
@@ -32,9 +32,9 @@ from typing import Iterable, Sequence
 import numpy as np
 from PIL import Image
 
-from dedup import signatures as sig
-from dedup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
-from dedup.transforms import RANDOM_TRANSFORMS, REVERSE_TRANSFORMS, TRANSFORMS, apply
+from neardup import signatures as sig
+from neardup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
+from neardup.transforms import RANDOM_TRANSFORMS, REVERSE_TRANSFORMS, TRANSFORMS, apply
 
 TARGET_RECALL = 0.98
 TARGET_FMR = 1e-4
@@ -86,7 +86,7 @@ def split_pool(pool: Sequence[tuple[str, Image.Image]], holdout: Iterable[str] =
 
 @dataclasses.dataclass
 class Calibration:
-    """Figures of the match rule (dedup.index) per transform and threshold.
+    """Figures of the match rule (neardup.index) per transform and threshold.
 
     ``recall`` is under the full rule (block condition included), as the index
     searches; ``plain_recall`` drops the block condition ("Hamming <= threshold
@@ -159,7 +159,7 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     ``groups`` (the source photograph of each image) splits the false pairs into pairs of
     different photos and pairs within one photo.
     """
-    from dedup.index import TestSetIndex
+    from neardup.index import TestSetIndex
 
     names = list(transforms or TRANSFORMS)
     thresholds = sorted(int(t) for t in thresholds)
@@ -283,7 +283,7 @@ def low_texture_report(photos: Sequence[Image.Image], *, threshold: int = DEFAUL
     the rule switched off (codes computed regardless), how often those images
     match each other (false pairs), photos, or their own JPEG q30 copies.
     """
-    from dedup.index import TestSetIndex
+    from neardup.index import TestSetIndex
 
     low = [img for _, img in low_texture_pool()]
     photo_margins = np.array([sig.texture_margin(im) for im in photos])

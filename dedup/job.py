@@ -12,8 +12,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from dedup.index import IndexOutdated, TestSetIndex
-from dedup.report import write_report
+from neardup.index import IndexOutdated, TestSetIndex
+from neardup.report import write_report
 from dedup.rescan import rescan
 from common.config import check
 from common.jobenv import durable_path
@@ -34,7 +34,7 @@ class DedupConfig:
     report_dir: str | None = dataclasses.field(default=None, metadata={
         "help": "where counts, matches and the contact sheet go; default SHARDS/dedup_report"})
     threshold: int | None = dataclasses.field(default=None, metadata={
-        "help": "Hamming threshold in bits; default the calibrated dedup.index.DEFAULT_THRESHOLD"})
+        "help": "Hamming threshold in bits; default the calibrated neardup.index.DEFAULT_THRESHOLD"})
     parent_run_id: str | None = dataclasses.field(default=None, metadata={"help": "MLflow run to nest under"})
 
     def __post_init__(self):

@@ -10,7 +10,7 @@ sha256) the fingerprint of each test set it has been checked against. A run
 checks only (shard, test set) pairs whose shard is new or whose test set is new
 or changed, so a second run with nothing new does nothing and says so. A change
 of the match rule (threshold, signature version, crop variants, inner crops,
-blocks: ``dedup.index.rule_id``) invalidates every pair, once, and the summary
+blocks: ``neardup.index.rule_id``) invalidates every pair, once, and the summary
 says so. Each ``removed.jsonl`` row names the files: the corpus item's
 ``source`` uri beside its ``key``, the test image's ``test_uri`` beside
 ``test_set``/``matched_key``, and the ``direction`` that matched.
@@ -27,8 +27,8 @@ import pyarrow as pa
 
 from common.config import InputError
 from common.fs import atomic_write
-from dedup import signatures as sig
-from dedup.index import FORWARD, REVERSE, TestSetIndex
+from neardup import signatures as sig
+from neardup.index import FORWARD, REVERSE, TestSetIndex
 from pipelines import schema
 from pipelines.schema import ShardSet, ShardSetError
 
@@ -44,7 +44,7 @@ class RescanResult:
     rows_scanned: int
     new_matches: list[dict]
     matches_per_test_set: dict[str, int]
-    # set when dedup_state.json was written under another match rule (dedup.index.rule_id):
+    # set when dedup_state.json was written under another match rule (neardup.index.rule_id):
     # "signature version 2 -> 3" or the like; every shard is then re-checked once
     rule_changed: str | None = None
 

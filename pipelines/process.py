@@ -157,7 +157,7 @@ def process_item(item: SourceItem, opts: ProcessOptions) -> dict[str, Any]:
     Only :class:`BadImage` is handled here; anything else propagates to the
     pipeline's dead-letter output, which records it as ``unexpected_error``.
     """
-    from dedup import signatures
+    from neardup import signatures
 
     try:
         if opts.label_map is not None:
@@ -176,7 +176,7 @@ def process_item(item: SourceItem, opts: ProcessOptions) -> dict[str, Any]:
     except BadImage as exc:
         return reject(item.uri, exc.reason, exc.detail)
     content_hash = signatures.content_hash(img)
-    phash = signatures.corpus_codes(img)  # both directions of the dedup rule (dedup.index)
+    phash = signatures.corpus_codes(img)  # both directions of the dedup rule (neardup.index)
     image, fmt, width, height = resize_encode(img, opts)
     return {
         "_t": "record",

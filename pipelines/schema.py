@@ -19,9 +19,9 @@ Columns (:data:`SCHEMA`, version :data:`SCHEMA_VERSION`):
 ``labels``        list<int32>  class ids through ``manifest["label_map"]``; several for multi-label corpora
 ``source``        string   the uri the item was read from (tar members: ``tar://member::archive-url``);
                            bytes of a file name that are not UTF-8 appear as ``\\xNN`` (:func:`text_uri`)
-``content_hash``  string   SHA-256 of the decoded pixels, ``dedup.signatures.content_hash`` (large
+``content_hash``  string   SHA-256 of the decoded pixels, ``neardup.signatures.content_hash`` (large
                            JPEGs are hashed as decoded at the DCT-draft scale for ``--size``)
-``phash``         binary   perceptual signatures, ``dedup.signatures.corpus_codes`` of the decoded image
+``phash``         binary   perceptual signatures, ``neardup.signatures.corpus_codes`` of the decoded image
 
 ``manifest.json`` holds ``schema_version``, ``shards`` (``path`` relative to DIR,
 ``rows``, ``bytes``, ``sha256``; sorted by path), ``num_rows``, ``label_map``

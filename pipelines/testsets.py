@@ -11,7 +11,7 @@ from typing import Iterator
 
 from PIL import Image
 
-from dedup.index import Quarantined, TestSetIndex
+from neardup.index import Quarantined, TestSetIndex
 from pipelines.decode import BadImage, decode_image
 from pipelines.sources import SourceError, iter_items, plan
 

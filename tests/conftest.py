@@ -189,3 +189,23 @@ def small_demo(tmp_path_factory, ray_session):
         yield {"work": work, "summary": summary, "home": work / "mlruns"}
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="session")
+def pool():
+    """The dedup calibration's photo pool: bundled photographs and their textured tiles."""
+    from dedup.calibration import photo_pool
+
+    return photo_pool()
+
+
+@pytest.fixture(scope="session")
+def photos(pool):
+    """Whole photographs (not tiles), by name."""
+    return {name: img for name, img in pool if "@" not in name}
+
+
+@pytest.fixture(scope="session")
+def tiles(pool):
+    return [img for name, img in pool if "@" in name]
+

@@ -3,9 +3,9 @@
 From the bottom up (README, "Layout"):
     common/        base: configs, the CLI runner, text rules, filesystem and atomic writes, MLflow
     vitcore/       the model; imports nothing of the project
-    dedup core     signatures, index, transforms, report: nothing above the base, so the ingest can use them
+    neardup/       near-duplicate signatures, the match rule and the test-set index, which the ingest uses
     pipelines/     the Beam ingest, the shard schema and readers
-    dedup jobs     registry, rescan, job, calibration: read corpora and shard sets through pipelines
+    dedup/         the re-checking job and the calibration: read corpora and shard sets through pipelines
     training/      pre-training, fine-tuning, VTAB and few-shot, their loaders and Ray helpers
     reports/       the comparison report: reads the MLflow store the stages wrote
     demo/          the end-to-end demo and its generated data (it ends with a report)
@@ -19,16 +19,14 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT = ("common", "vitcore", "dedup", "pipelines", "training", "reports", "demo", "jobs", "benchmarks", "infra")
-DEDUP_CORE = {"dedup", "dedup.signatures", "dedup.index", "dedup.transforms", "dedup.report"}
-LAYER = {"common": 0, "vitcore": 0, "dedup_core": 1, "pipelines": 2, "dedup": 3, "training": 4, "reports": 5,
+PROJECT = ("common", "vitcore", "neardup", "dedup", "pipelines", "training", "reports", "demo", "jobs", "benchmarks", "infra")
+LAYER = {"common": 0, "vitcore": 0, "neardup": 1, "pipelines": 2, "dedup": 3, "training": 4, "reports": 5,
          "demo": 6, "jobs": 7, "benchmarks": 7, "infra": 7}
 SELF_CONTAINED = {"common", "vitcore"}
 
 
 def layer_of(module: str) -> str:
-    top = module.split(".")[0]
-    return "dedup_core" if module in DEDUP_CORE else top
+    return module.split(".")[0]
 
 
 def module_names() -> dict[str, Path]:
@@ -132,9 +130,9 @@ def test_every_module_belongs_to_a_layer():
 def test_the_checks_catch_a_back_edge_and_a_cycle():
     graph = import_graph()
     graph["common.config"] = graph["common.config"] | {"pipelines.schema"}
-    graph["dedup.index"] = graph["dedup.index"] | {"dedup.calibration"}
+    graph["neardup.index"] = graph["neardup.index"] | {"dedup.calibration"}
     assert "common.config -> pipelines.schema (common may not import pipelines)" in back_edges(graph)
-    assert "dedup.index -> dedup.calibration (dedup_core may not import dedup)" in back_edges(graph)
+    assert "neardup.index -> dedup.calibration (neardup may not import dedup)" in back_edges(graph)
     graph["pipelines.schema"] = graph["pipelines.schema"] | {"pipelines.ingest"}
     assert any({"pipelines.schema", "pipelines.ingest"} <= set(c) for c in cycles(graph))
 

@@ -1,6 +1,6 @@
 import pytest
 
-from dedup.index import DEFAULT_THRESHOLD
+from neardup.index import DEFAULT_THRESHOLD
 from dedup.calibration import HOLDOUT_PHOTOS, calibrate, main, plot, split_pool
 
 

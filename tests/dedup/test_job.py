@@ -6,7 +6,7 @@ import mlflow
 import pytest
 
 from dedup.job import DedupConfig, run
-from dedup.transforms import apply
+from neardup.transforms import apply
 from pipelines.schema import MANIFEST
 from common.config import ConfigError
 
@@ -72,7 +72,7 @@ def test_job_removes_planted_duplicates_incrementally(corpus, monkeypatch):
 
 
 def _index_keys(shards: Path, test_set: str):
-    from dedup.index import TestSetIndex
+    from neardup.index import TestSetIndex
 
     index = TestSetIndex.load(shards / "dedup_index")
     return [k for k, t in zip(index.key, index.test_set) if t == test_set]

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from dedup.index import TestSetIndex
+from neardup.index import TestSetIndex
 from dedup.rescan import rescan
 from pipelines.schema import MANIFEST, SCHEMA_VERSION, ShardSetError
 

@@ -56,7 +56,7 @@ import pyarrow.ipc as ipc
 from PIL import Image
 
 from common.fs import atomic_open, atomic_write
-from dedup import signatures as sig
+from neardup import signatures as sig
 
 # The match rule: some block within BLOCK_RADIUS bits AND the whole code within
 # the threshold. 21-bit blocks (6 of them cover 126 of the 128 bits) keep buckets
@@ -458,7 +458,7 @@ class TestSetIndex:
         d = Path(directory)
         manifest_path = d / "index.json"
         if not manifest_path.is_file():
-            raise FileNotFoundError(f"{d}: no index.json; build the index with dedup.index.build_test_set_index(...).save(dir)")
+            raise FileNotFoundError(f"{d}: no index.json; build it with pipelines.testsets.build_test_set_index(...).save(dir), as jobs/dedup.py does")
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("signature_version") != sig.SIGNATURE_VERSION:
             raise IndexOutdated(
@@ -468,7 +468,7 @@ class TestSetIndex:
         if variants != list(sig.CROP_VARIANTS):
             raise IndexOutdated(
                 f"{manifest_path}: built with {len(variants) or 'unrecorded'} crop variants, this code indexes "
-                f"{len(sig.CROP_VARIANTS)} (dedup.signatures.CROP_VARIANTS); delete {d} and rebuild the index "
+                f"{len(sig.CROP_VARIANTS)} (neardup.signatures.CROP_VARIANTS); delete {d} and rebuild the index "
                 "from its test-set sources")
         index = cls(threshold=manifest.get("threshold") if threshold is None else threshold)
         for entry in sorted(manifest["files"], key=lambda f: (f["test_set"], f["version"])):

@@ -2,10 +2,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dedup import signatures as sig
-from dedup.index import DEFAULT_THRESHOLD
-from dedup.index import TestSetIndex
-from dedup.transforms import TRANSFORMS, apply
+from neardup import signatures as sig
+from neardup.index import DEFAULT_THRESHOLD
+from neardup.index import TestSetIndex
+from neardup.transforms import TRANSFORMS, apply
 
 PLANTED = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "motorcycle_left.png"]
 

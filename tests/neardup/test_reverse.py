@@ -7,9 +7,9 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from dedup import signatures as sig
-from dedup.index import FORWARD, REVERSE, TestSetIndex
-from dedup.transforms import REVERSE_TRANSFORMS, apply
+from neardup import signatures as sig
+from neardup.index import FORWARD, REVERSE, TestSetIndex
+from neardup.transforms import REVERSE_TRANSFORMS, apply
 
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "motorcycle_left.png"]
 UNRELATED = ["retina.jpg", "camera.png", "flower.jpg", "hubble_deep_field.jpg", "coins.png"]
@@ -49,7 +49,7 @@ def test_corpus_photos_whose_crop_became_a_test_image_are_found(photos, transfor
 
 def test_three_percent_crops_the_issue_planted_are_found_in_reverse(photos):
     # issue 15: 3%-per-side crops, resized to 256 px, JPEG q75, were missed at distances 28..42
-    from dedup.transforms import _reverse
+    from neardup.transforms import _reverse
 
     index = TestSetIndex()
     cut = _reverse(0.03, 0.03, 0.03, 0.03, 75)

@@ -15,11 +15,11 @@ positive contrast change that does not clip. Uniform borders are trimmed first,
 so an added frame maps back to the original content. Crops are handled on the
 index side (:func:`variant_codes`): each test image is also indexed under the
 crops a corpus copy may have had (``CROP_VARIANTS``), and a corpus image
-matches when it is close to any of them (the match rule: :mod:`dedup.index`).
+matches when it is close to any of them (the match rule: :mod:`neardup.index`).
 For the reverse direction, a test image cut from a corpus photo, the corpus
 side also stores the codes of inner crops (:func:`corpus_codes`, ``INNER_CROPS``).
 
-The threshold is ``dedup.index.DEFAULT_THRESHOLD``, chosen by :mod:`dedup.calibration`;
+The threshold is ``neardup.index.DEFAULT_THRESHOLD``, chosen by :mod:`dedup.calibration`;
 the measured recall and false-match rate are in benchmarks/README.md.
 """
 from __future__ import annotations
@@ -84,7 +84,7 @@ CROP_VARIANTS: tuple[tuple[float, float, float, float], ...] = _CROP_CORNERS + _
 # trimmed again before coding: T's own uniform edge (a mortar line, a dark sky
 # band) is trimmed when T is coded, and the centre of C then has it at its edge.
 # These codes are matched at a tighter threshold than the whole-image code
-# (dedup.index.INNER_THRESHOLD_OFFSET). Held-out calibration, signature version 4
+# (neardup.index.INNER_THRESHOLD_OFFSET). Held-out calibration, signature version 4
 # against 3: benchmarks/README.md, "Reverse direction".
 # Low-texture images (flat colour, soft gradients) are exact-or-nothing: below
 # this texture_margin neither side carries codes, so they match by content hash
@@ -263,7 +263,7 @@ def split_codes(stored: bytes) -> list[bytes]:
     """The codes of a stored corpus signature (:func:`corpus_codes`, or a bare :func:`compute`)."""
     if stored is None or len(stored) % SIGNATURE_BYTES:
         raise ValueError(f"corpus signature of {len(stored or b'')} bytes: expected a multiple of {SIGNATURE_BYTES}; "
-                         f"recompute it with dedup.signatures.corpus_codes (signature version {SIGNATURE_VERSION})")
+                         f"recompute it with neardup.signatures.corpus_codes (signature version {SIGNATURE_VERSION})")
     return [stored[i: i + SIGNATURE_BYTES] for i in range(0, len(stored), SIGNATURE_BYTES)]
 
 
@@ -308,7 +308,7 @@ def to_words(signatures: np.ndarray | bytes | list[bytes]) -> np.ndarray:
         if bad:
             raise ValueError(
                 f"signature #{bad[0]} has {len(signatures[bad[0]])} bytes, expected {SIGNATURE_BYTES}; "
-                "recompute it with dedup.signatures.compute (signature version "
+                "recompute it with neardup.signatures.compute (signature version "
                 f"{SIGNATURE_VERSION})")
         signatures = np.frombuffer(b"".join(signatures), dtype=np.uint8).reshape(-1, SIGNATURE_BYTES)
     arr = np.ascontiguousarray(signatures, dtype=np.uint8).reshape(-1, SIGNATURE_BYTES)

@@ -6,8 +6,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from dedup import signatures as sig
-from dedup.index import IndexOutdated, TestSetIndex
+from neardup import signatures as sig
+from neardup.index import IndexOutdated, TestSetIndex
 
 
 def _random_index(n=3000, seed=0, threshold=32):
