@@ -174,6 +174,42 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+# -- recipe or where it ran --------------------------------------------------------------------
+# Each config field says once, in ``field(metadata={"recipe": ...})``, what it is to the run:
+#   True (the default)  it decides what the run computes: hashed, compared by the report, fixed on resume;
+#   "length"            how long the schedule runs: hashed and compared, but a resume may extend it;
+#   False               where and how the run executes (paths, Ray, parallelism, logging): left out of
+#                       the hash and the report's comparison, and free to change on resume.
+# config_hash, the resume checks, the sweep state and the report all read this mark.
+RECIPE_MARKS = (True, "length", False)
+
+
+def recipe_mark(cfg: Any, name: str) -> bool | str:
+    """The ``recipe`` mark of field ``name`` of a config dataclass (class or instance)."""
+    f = {f.name: f for f in dataclasses.fields(cfg)}[name]
+    mark = f.metadata.get("recipe", True)
+    if mark not in RECIPE_MARKS:
+        owner = cfg if isinstance(cfg, type) else type(cfg)
+        raise TypeError(f"{owner.__name__}.{name}: recipe mark {mark!r} is not one of {RECIPE_MARKS}")
+    return mark
+
+
+def not_recipe(cfg: Any) -> frozenset[str]:
+    """Fields that say where and how a run executes, not what it computes."""
+    return frozenset(f.name for f in dataclasses.fields(cfg) if recipe_mark(cfg, f.name) is False)
+
+
+def free_on_resume(cfg: Any) -> frozenset[str]:
+    """Fields a resumed run may change: where it runs, and the length of its schedule."""
+    return frozenset(f.name for f in dataclasses.fields(cfg) if recipe_mark(cfg, f.name) is not True)
+
+
+def recipe_of(cfg: Any) -> dict[str, Any]:
+    """The config's fields that decide what the run computes (for its hash)."""
+    skip = not_recipe(cfg)
+    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+
+
 class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line: the problem, then where the usage is."""
 

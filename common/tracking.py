@@ -24,6 +24,7 @@ The scheme (:data:`STAGE_EXPERIMENTS`, the ``TAG_*`` names, :func:`run_tags`):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -33,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from common.config import ConfigError
+from common.config import ConfigError, not_recipe, recipe_of
 from common.jobenv import RUNTIME_ENV_HINT, inside_copy
 from common.text import utf8_text
 
@@ -48,6 +49,8 @@ STAGE_EXPERIMENTS = {
 TAG_STAGE = "vitscale.stage"
 TAG_GIT_COMMIT = "vitscale.git_commit"
 TAG_CONFIG_HASH = "vitscale.config_hash"
+# The params that say where and how a run executed (common.config.not_recipe): the report folds them.
+TAG_NOT_RECIPE = "vitscale.not_recipe"
 TAG_INPUT_MANIFEST = "vitscale.input_manifest_sha256"
 TAG_OUTPUT_MANIFEST = "vitscale.output_manifest_sha256"
 TAG_DEDUP_STATE = "vitscale.dedup_state"
@@ -262,7 +265,6 @@ def start_run(
 # -- the tagging scheme ------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     """The commit of the code that runs, or "unknown" outside a git checkout (under ``ray job
     submit`` the working dir is an uploaded copy without ``.git``). A checkout with local
@@ -281,14 +283,14 @@ def git_commit() -> str:
         return "unknown"
 
 
-# Where a run executes and logs, not what it computes: left out of the config hash.
-NOT_RECIPE = frozenset({"parent_run_id", "ray_address", "verbose", "run_name"})
+def config_hash(config: Any) -> str:
+    """sha256 (first 16 hex digits) of the canonical JSON of what a run computes.
 
-
-def config_hash(config: Mapping[str, Any]) -> str:
-    """sha256 (first 16 hex digits) of the canonical JSON of a stage's config (less :data:`NOT_RECIPE`)."""
-    text = json.dumps({k: v for k, v in config.items() if k not in NOT_RECIPE}, sort_keys=True, default=str,
-                      separators=(",", ":"))
+    A stage's config dataclass counts only its recipe fields (``common.config.recipe_of``), so the
+    same recipe run into two folders, or on two clusters, has one hash. A plain mapping counts whole.
+    """
+    values = recipe_of(config) if dataclasses.is_dataclass(config) else dict(config)
+    text = json.dumps(values, sort_keys=True, default=str, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -304,13 +306,14 @@ def join_ids(*groups: Any) -> str:
     return ",".join(out)
 
 
-def run_tags(config: Mapping[str, Any] | None = None, *, data: list[Mapping[str, Any]] = (),
+def run_tags(config: Any = None, *, data: list[Mapping[str, Any]] = (),
              main: list[Mapping[str, Any]] | None = None, models: list[Mapping[str, Any]] = ()) -> dict[str, str]:
     """The scheme's tags for a top-level run.
 
-    ``data``: the records of every shard set the run read (``pipelines.schema.shard_set_record``:
-    ``manifest_sha256``, ``prepare_run_id``, ``dedup_run_ids``, ``dedup_state``); ``main``: those
-    that are its main input (default: all), whose manifest sha256 and de-duplication state are
+    ``config``: the stage's config dataclass, whose recipe is hashed and whose other fields are
+    named in :data:`TAG_NOT_RECIPE`, or a plain mapping, hashed whole. ``data``: the records of
+    every shard set the run read (``pipelines.schema.shard_set_record``: ``manifest_sha256``,
+    ``prepare_run_id``, ``dedup_run_ids``, ``dedup_state``); ``main``: those that are its main input (default: all), whose manifest sha256 and de-duplication state are
     tagged. ``models``: the lineage records of the models it read (:func:`read_lineage`), whose
     own lineage carries over, so that a fine-tune names its pre-training's prepare and dedup runs.
     """
@@ -318,6 +321,8 @@ def run_tags(config: Mapping[str, Any] | None = None, *, data: list[Mapping[str,
     tags = {TAG_GIT_COMMIT: git_commit()}
     if config is not None:
         tags[TAG_CONFIG_HASH] = config_hash(config)
+        if dataclasses.is_dataclass(config):
+            tags[TAG_NOT_RECIPE] = ",".join(sorted(not_recipe(config)))
     if main:
         tags[TAG_INPUT_MANIFEST] = join_ids([r["manifest_sha256"] for r in main])
         states = list(dict.fromkeys(r.get("dedup_state") or "none" for r in main))

@@ -29,13 +29,13 @@ class DedupConfig:
     shards: str = dataclasses.field(metadata={"help": f"shard set directory (the ingest output, with {MANIFEST})"})
     test_set: list[str] = dataclasses.field(default_factory=list, metadata={
         "help": "test set as name=source (any source the ingest accepts, or a shard set); repeatable"})
-    index_dir: str | None = dataclasses.field(default=None, metadata={
+    index_dir: str | None = dataclasses.field(default=None, metadata={"recipe": False, 
         "help": "where the test-set index lives; default SHARDS/dedup_index"})
-    report_dir: str | None = dataclasses.field(default=None, metadata={
+    report_dir: str | None = dataclasses.field(default=None, metadata={"recipe": False, 
         "help": "where counts, matches and the contact sheet go; default SHARDS/dedup_report"})
     threshold: int | None = dataclasses.field(default=None, metadata={
         "help": "Hamming threshold in bits; default the calibrated neardup.index.DEFAULT_THRESHOLD"})
-    parent_run_id: str | None = dataclasses.field(default=None, metadata={"help": "MLflow run to nest under"})
+    parent_run_id: str | None = dataclasses.field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
 
     def __post_init__(self):
         check(bool(self.shards), "shards", "required: the shard set directory to re-check")
@@ -102,7 +102,7 @@ def run(cfg: DedupConfig) -> dict:
     record = shard_set_record(shard_dir, role="checked")
     name = f"dedup {record['name']} vs {', '.join(sources) or 'saved test sets'}"
     with tracking.start_run("dedup", params=params, parent_run_id=cfg.parent_run_id, run_name=name,
-                            tags=tracking.run_tags(params, data=[record])) as run_:
+                            tags=tracking.run_tags(cfg, data=[record])) as run_:
         tracking.log_shard_inputs([record])
         base = _load_or_discard(index_dir, cfg.threshold)
         index = build_test_set_index(sources, threshold=cfg.threshold, base=base)

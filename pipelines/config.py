@@ -34,7 +34,7 @@ class PrepareConfig:
         metadata={"help": "source to ingest: image folder tree, tar archive(s), CSV/JSONL/Parquet manifest or "
                           "shard set, on any fsspec URL; repeat for several"},
     )
-    output: str = dataclasses.field(default="", metadata={"help": "output shard set directory (local or fsspec URL)"})
+    output: str = dataclasses.field(default="", metadata={"recipe": False, "help": "output shard set directory (local or fsspec URL)"})
     size: int = dataclasses.field(
         default=384, metadata={"help": "resize the shorter side to this many pixels (the paper fine-tunes at 384)"}
     )
@@ -48,7 +48,7 @@ class PrepareConfig:
     )
     workers: int = dataclasses.field(
         default_factory=_default_workers,
-        metadata={"help": "DirectRunner worker processes (1 runs in-process: fast start for small corpora), or the "
+        metadata={"recipe": False, "help": "DirectRunner worker processes (1 runs in-process: fast start for small corpora), or the "
                           "worker processes of the local Dask cluster --runner dask starts"},
     )
     test_set: list[str] = dataclasses.field(
@@ -74,24 +74,24 @@ class PrepareConfig:
     )
     runner: str = dataclasses.field(
         default="DirectRunner",
-        metadata={"help": "Beam runner: DirectRunner (this machine), dask (a dask.distributed cluster; tested), "
+        metadata={"recipe": False, "help": "Beam runner: DirectRunner (this machine), dask (a dask.distributed cluster; tested), "
                           "DataflowRunner, FlinkRunner, SparkRunner or PortableRunner (documented, untested here)"},
     )
     dask_address: str | None = dataclasses.field(
         default=None,
-        metadata={"help": "with --runner dask: the scheduler to join, tcp://HOST:PORT; without it the job starts "
+        metadata={"recipe": False, "help": "with --runner dask: the scheduler to join, tcp://HOST:PORT; without it the job starts "
                           "a local cluster of --workers processes on 127.0.0.1 and stops it at the end"},
     )
     beam_options: list[str] = dataclasses.field(
         default_factory=list,
-        metadata={"help": "extra Beam pipeline options, e.g. --project=p; see infra/beam/*.yaml"},
+        metadata={"recipe": False, "help": "extra Beam pipeline options, e.g. --project=p; see infra/beam/*.yaml"},
     )
     isolate_decoder: bool = dataclasses.field(
         default=False,
-        metadata={"help": "decode in a subprocess so a crash in a native decoder becomes a quarantine record "
+        metadata={"recipe": False, "help": "decode in a subprocess so a crash in a native decoder becomes a quarantine record "
                           "instead of a dead worker (slower)"},
     )
-    parent_run_id: str | None = dataclasses.field(default=None, metadata={"help": "MLflow run to nest under"})
+    parent_run_id: str | None = dataclasses.field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
 
     def __post_init__(self) -> None:
         check(len(self.input) > 0, "input", "at least one --input source is required")

@@ -603,7 +603,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     params = vconfig.to_dict(cfg)
     with _engine(cfg, cluster_workers) as engine, \
             tracking.start_run("prepare", params=params, parent_run_id=cfg.parent_run_id,
-                               run_name=f"prepare {_set_name(cfg.output)}", tags=tracking.run_tags(params)) as run:
+                               run_name=f"prepare {_set_name(cfg.output)}", tags=tracking.run_tags(cfg)) as run:
         index = None
         if test_sets:
             from pipelines.testsets import build_test_set_index

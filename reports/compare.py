@@ -7,13 +7,11 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 
+from common.tracking import TAG_NOT_RECIPE
 from reports.lineage import LineageIndex, set_name
 from reports.store import STAGES, Run, Store
 
 GROUPS = ("natural", "specialized", "structured")
-# Where a run wrote or how it was scheduled: different in every run, and never why one is better.
-WHERE_PARAMS = {"output", "run_name", "parent_run_id", "storage_path", "ray_address", "max_concurrent",
-                "max_failures", "verbose", "register_as", "keep_checkpoints", "checkpoint_every"}
 # Tags (from the tracking scheme) that say what a run was made of; compared like params.
 WHAT_TAGS = {"vitscale.git_commit": "git commit", "vitscale.config_hash": "config hash",
              "vitscale.input_manifest_sha256": "input manifest", "vitscale.dedup_state": "dedup state"}
@@ -99,7 +97,9 @@ def _key_metric(stage: str, runs: list[Run]) -> tuple[str, bool, list[str]]:
 
 
 def _compared(run: Run, lineage: LineageIndex, store: Store) -> dict[str, str]:
-    values = {k: v for k, v in run.params.items() if k not in WHERE_PARAMS}
+    # Where and how a run executed is never why one is better: its stage's config marks those params.
+    where = set(run.tags.get(TAG_NOT_RECIPE, "").split(","))
+    values = {k: v for k, v in run.params.items() if k not in where}
     for tag, label in WHAT_TAGS.items():
         if tag in run.tags:
             values[label] = run.tags[tag]

@@ -18,7 +18,7 @@ REPORT_FILE = "report.html"
 class ReportConfig:
     """Compare runs of the MLflow store in one self-contained HTML report, logged as a `report` run."""
 
-    output: str = field(default=REPORT_FILE, metadata={"help": "the HTML file to write"})
+    output: str = field(default=REPORT_FILE, metadata={"recipe": False, "help": "the HTML file to write"})
     experiment: list[str] = field(default_factory=list, metadata={
         "help": "report on the runs of this MLflow experiment; repeatable (default: every experiment)"})
     run_id: list[str] = field(default_factory=list, metadata={
@@ -95,7 +95,7 @@ def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict
     with tracking.start_run("report", params={"experiment": list(cfg.experiment), "run_id": list(cfg.run_id),
                                               "output": str(output)},
                             run_name="report " + (chosen if len(chosen) < 200 else f"{len(runs)} runs"),
-                            tags={**tracking.run_tags(dataclasses.asdict(cfg)), **(tags or {})}) as run:
+                            tags={**tracking.run_tags(cfg), **(tags or {})}) as run:
         tracking.log_metrics({"runs": len(runs), **{f"runs.{s}": sum(r.stage == s for r in runs) for s in STAGES}})
         _log_bytes(page.encode("utf-8"), REPORT_FILE)  # one name in every report run, whatever --output says
         for name, png in pngs.items():

@@ -33,16 +33,16 @@ class FewshotConfig:
     pretrained: str = field(metadata={"help": "model.safetensors written by pretrain"})
     data_root: str | None = field(default=None, metadata={"help": "folder with one folder per registry task; all 19 expected"})
     task: list[str] = field(default_factory=list, metadata={"help": "NAME=DIR, repeatable (as jobs/vtab.py)"})
-    output: str = field(default="fewshot_output", metadata={"help": "directory for fewshot_results.json"})
+    output: str = field(default="fewshot_output", metadata={"recipe": False, "help": "directory for fewshot_results.json"})
     shots: list[int] = field(default_factory=lambda: [1, 5, 10, 25], metadata={"help": "images per class"})
     draws: int = field(default=5, metadata={"help": "random draws of the shots per shot count"})
     l2_reg: float = field(default=2.0 ** 10, metadata={"help": "ridge regularisation (big_vision: 2^10)"})
     representation: str = field(default="pre_logits", metadata={"help": "which intermediate to use as features"})
     img_size: int | None = field(default=None, metadata={"help": "evaluation resolution; default: the model's own"})
-    batch_size: int = field(default=128, metadata={"help": "images per forward pass when computing features"})
-    device: str = field(default="auto", metadata={"help": "auto (cuda if present), cuda or cpu"})
+    batch_size: int = field(default=128, metadata={"recipe": False, "help": "images per forward pass when computing features"})
+    device: str = field(default="auto", metadata={"recipe": False, "help": "auto (cuda if present), cuda or cpu"})
     seed: int = field(default=0, metadata={"help": "first seed of the draws"})
-    parent_run_id: str | None = field(default=None, metadata={"help": "MLflow run to nest under"})
+    parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
 
     def __post_init__(self) -> None:
         check(bool(self.data_root or self.task), "task", "give --data-root DIR or at least one --task NAME=DIR")
@@ -155,7 +155,7 @@ def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
     with tracking.start_run("fewshot", params={**config, "tasks": list(tasks)}, parent_run_id=cfg.parent_run_id,
                             run_name=f"fewshot {len(tasks)} tasks from {path.parent.name}",
-                            tags=tracking.run_tags(config, data=records, main=main, models=upstream)) as run:
+                            tags=tracking.run_tags(cfg, data=records, main=main, models=upstream)) as run:
         tracking.log_shard_inputs(records, context="evaluation")
         for i, (name, t) in enumerate(tasks.items()):
             root = Path(t["dir"])

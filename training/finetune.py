@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from common import progress
-from common.config import ConfigError, check
+from common.config import ConfigError, check, not_recipe
 from training.pretrain import MODEL_FILE
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
@@ -58,13 +58,13 @@ class FinetuneConfig:
         default=None, metadata={"help": "model.safetensors written by pretrain; none trains from scratch"}
     )
     variant: str = field(default="Ti/16", metadata={"help": "vitcore variant when training from scratch"})
-    output: str = field(default="finetune_output", metadata={"help": "directory for the final model and Tune state; "
+    output: str = field(default="finetune_output", metadata={"recipe": False, "help": "directory for the final model and Tune state; "
                                                                        "re-running with the same one resumes"})
     img_size: int | None = field(default=None, metadata={"help": "fine-tuning resolution; default: the pre-training one"})
     lrs: list[float] = field(default_factory=lambda: list(PAPER_LR_GRID), metadata={"help": "SGD learning rates to try"})
     steps: int = field(default=500, metadata={"help": "SGD steps per trial"})
     batch_size: int = field(default=512, metadata={"help": "optimiser batch (the paper: 512 for every run)"})
-    microbatch: int = field(default=0, metadata={"help": "images per forward/backward, accumulated up to "
+    microbatch: int = field(default=0, metadata={"recipe": False, "help": "images per forward/backward, accumulated up to "
                                                           "--batch-size (0: the whole batch at once)"})
     warmup_steps: int = field(default=500, metadata={"help": "linear warm-up steps; capped at 10% of the steps"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
@@ -80,14 +80,14 @@ class FinetuneConfig:
     val_fraction: float | None = field(default=None, metadata={"help": "dev share of train used to pick the rate; "
                                                                        "overrides --dataset's fraction"})
     eval_every: int = field(default=0, metadata={"help": "evaluate every N steps (0: only at the end)"})
-    cpus_per_trial: int = field(default=1, metadata={"help": "CPUs per trial (and torch threads)"})
-    gpus_per_trial: float = field(default=0, metadata={"help": "GPUs per trial; fractions share one GPU"})
-    max_concurrent: int = field(default=0, metadata={"help": "trials at once (0: as resources allow)"})
-    max_failures: int = field(default=2, metadata={"help": "retries of a failed trial"})
+    cpus_per_trial: int = field(default=1, metadata={"recipe": False, "help": "CPUs per trial (and torch threads)"})
+    gpus_per_trial: float = field(default=0, metadata={"recipe": False, "help": "GPUs per trial; fractions share one GPU"})
+    max_concurrent: int = field(default=0, metadata={"recipe": False, "help": "trials at once (0: as resources allow)"})
+    max_failures: int = field(default=2, metadata={"recipe": False, "help": "retries of a failed trial"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast on GPU (ignored on CPU)"})
     seed: int = field(default=0, metadata={"help": "seed for the split, init, shuffling and augmentation"})
-    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
-    parent_run_id: str | None = field(default=None, metadata={"help": "MLflow run to nest under"})
+    ray_address: str | None = field(default=None, metadata={"recipe": False, "help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
+    parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
 
     def __post_init__(self) -> None:
         check(len(self.lrs) > 0, "lrs", "give at least one learning rate")
@@ -487,8 +487,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     tracking.tracking_uri()  # refuses a store in Ray's uploaded copy before any trial runs
     config = dataclasses.asdict(cfg)
     # Where Ray runs and how many trials at once do not change the sweep's results.
-    state = open_sweep_state(output, config, fresh_keys=("ray_address", "max_concurrent", "max_failures",
-                                                          "parent_run_id"))
+    state = open_sweep_state(output, config, fresh_keys=not_recipe(cfg))
     make_output_dir(output)
     init_ray(cfg.ray_address)
 
@@ -503,7 +502,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     name = f"finetune {train_record['name']}" + (f" from {Path(cfg.pretrained).parent.name}" if cfg.pretrained else "")
     run_ctx = (tracking.start_run("finetune", run_id=state["mlflow_run_id"], log_system_metrics=True) if state else
                tracking.start_run("finetune", params=config, parent_run_id=cfg.parent_run_id, run_name=name,
-                                  tags=tracking.run_tags(config, data=records, main=[train_record], models=upstream),
+                                  tags=tracking.run_tags(cfg, data=records, main=[train_record], models=upstream),
                                   log_system_metrics=True))
     with run_ctx as run:
         if state:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from common.config import ConfigError, check
+from common.config import ConfigError, check, free_on_resume
 from common.progress import TTY_EVERY, ProgressLine, Ticker, eta_text, progress_every
 
 SCHEDULES = ("linear", "cosine")
@@ -43,8 +43,8 @@ DEFAULT_EPOCHS = 10
 class PretrainConfig:
     """Pre-train a Vision Transformer on Arrow shards with Ray Train."""
 
-    data: str = field(metadata={"help": "shard directory written by jobs/prepare.py (holds manifest.json)"})
-    output: str = field(default="pretrain_output", metadata={"help": "directory for the final model, summary and (by default) Ray Train state"})
+    data: str = field(metadata={"recipe": False, "help": "shard directory written by jobs/prepare.py (holds manifest.json)"})
+    output: str = field(default="pretrain_output", metadata={"recipe": False, "help": "directory for the final model, summary and (by default) Ray Train state"})
     variant: str = field(default="Ti/16", metadata={"help": "vitcore variant, e.g. Ti/16, S/16, B/16, R50+B/16"})
     img_size: int = field(default=224, metadata={"help": "training resolution in pixels"})
     depth: int | None = field(default=None, metadata={"help": "override the variant's number of blocks"})
@@ -57,10 +57,10 @@ class PretrainConfig:
     loss: Literal["softmax", "sigmoid"] = field(
         default="softmax", metadata={"help": "softmax for one label per image, sigmoid for multi-label corpora"}
     )
-    epochs: int | None = field(default=None, metadata={"help": f"passes over the shards ({DEFAULT_EPOCHS} unless --steps is given)"})
-    steps: int | None = field(default=None, metadata={"help": "training length in optimiser steps; when given, --epochs is ignored and the schedule follows the steps"})
+    epochs: int | None = field(default=None, metadata={"recipe": "length", "help": f"passes over the shards ({DEFAULT_EPOCHS} unless --steps is given)"})
+    steps: int | None = field(default=None, metadata={"recipe": "length", "help": "training length in optimiser steps; when given, --epochs is ignored and the schedule follows the steps"})
     batch_size: int = field(default=4096, metadata={"help": "global optimiser batch (paper: 4096), split evenly across workers"})
-    microbatch: int | None = field(default=None, metadata={"help": "per-worker forward batch; each step accumulates batch_size/(num_workers*microbatch) of them (default: no accumulation)"})
+    microbatch: int | None = field(default=None, metadata={"recipe": False, "help": "per-worker forward batch; each step accumulates batch_size/(num_workers*microbatch) of them (default: no accumulation)"})
     lr: float = field(default=1e-3, metadata={"help": "peak Adam learning rate"})
     weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay (paper: 0.1)"})
     warmup_steps: int = field(default=10_000, metadata={"help": "linear warm-up steps; capped at 10% of training"})
@@ -70,31 +70,31 @@ class PretrainConfig:
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
     loader: Literal["shards", "ray_data"] = field(
         default="shards",
-        metadata={"help": "shards: each worker decodes its slice of the memory-mapped shards; "
+        metadata={"recipe": False, "help": "shards: each worker decodes its slice of the memory-mapped shards; "
                           "ray_data: Ray Data data tasks decode and augment on CPUs the workers leave free"},
     )
-    loader_workers: int | None = field(default=None, metadata={"help": "torch DataLoader processes per worker (shards loader); default 0 on CPU, cpus_per_worker-1 (at least 2) with --use-gpu"})
+    loader_workers: int | None = field(default=None, metadata={"recipe": False, "help": "torch DataLoader processes per worker (shards loader); default 0 on CPU, cpus_per_worker-1 (at least 2) with --use-gpu"})
     num_workers: int = field(default=2, metadata={"help": "Ray Train workers"})
-    cpus_per_worker: int = field(default=1, metadata={"help": "CPUs reserved per worker (and torch threads)"})
+    cpus_per_worker: int = field(default=1, metadata={"recipe": False, "help": "CPUs reserved per worker (and torch threads)"})
     use_gpu: bool = field(default=False, metadata={"help": "one GPU per worker, NCCL, bf16 autocast"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast (FSDP: bf16 parameters) on GPU; ignored on CPU"})
-    strategy: Literal["ddp", "fsdp"] = field(default="ddp", metadata={"help": "ddp: replicated model; fsdp: FSDP2 full sharding (for L and H)"})
-    compile: bool = field(default=False, metadata={"help": "torch.compile the model"})
-    grad_checkpointing: bool = field(default=False, metadata={"help": "recompute block activations in backward"})
-    stop_after: int | None = field(default=None, metadata={"help": "end this submission after step N of the schedule, with a checkpoint there; submitting again continues (time-boxed allocations)"})
-    checkpoint_every: int | None = field(default=None, metadata={"help": "checkpoint every N steps (default: at the end of every epoch); always at the last step"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "how many of the latest checkpoints to keep"})
-    storage_path: str | None = field(default=None, metadata={"help": "where Ray Train keeps checkpoints: a path or any pyarrow/fsspec URL (default OUTPUT/ray); shared by every node"})
-    max_failures: int = field(default=0, metadata={"help": "worker-group restarts from the last checkpoint"})
-    log_every: int = field(default=10, metadata={"help": "rank-0 MLflow logging interval in steps"})
-    fewshot_every: int | None = field(default=None, metadata={"help": "few-shot linear accuracy on --fewshot-data every N steps"})
-    fewshot_data: str | None = field(default=None, metadata={"help": "labelled shard set for the few-shot evaluator"})
-    register_as: str | None = field(default=None, metadata={"help": "register the final model under this name in the MLflow model registry"})
+    strategy: Literal["ddp", "fsdp"] = field(default="ddp", metadata={"recipe": False, "help": "ddp: replicated model; fsdp: FSDP2 full sharding (for L and H)"})
+    compile: bool = field(default=False, metadata={"recipe": False, "help": "torch.compile the model"})
+    grad_checkpointing: bool = field(default=False, metadata={"recipe": False, "help": "recompute block activations in backward"})
+    stop_after: int | None = field(default=None, metadata={"recipe": False, "help": "end this submission after step N of the schedule, with a checkpoint there; submitting again continues (time-boxed allocations)"})
+    checkpoint_every: int | None = field(default=None, metadata={"recipe": False, "help": "checkpoint every N steps (default: at the end of every epoch); always at the last step"})
+    keep_checkpoints: int = field(default=2, metadata={"recipe": False, "help": "how many of the latest checkpoints to keep"})
+    storage_path: str | None = field(default=None, metadata={"recipe": False, "help": "where Ray Train keeps checkpoints: a path or any pyarrow/fsspec URL (default OUTPUT/ray); shared by every node"})
+    max_failures: int = field(default=0, metadata={"recipe": False, "help": "worker-group restarts from the last checkpoint"})
+    log_every: int = field(default=10, metadata={"recipe": False, "help": "rank-0 MLflow logging interval in steps"})
+    fewshot_every: int | None = field(default=None, metadata={"recipe": False, "help": "few-shot linear accuracy on --fewshot-data every N steps"})
+    fewshot_data: str | None = field(default=None, metadata={"recipe": False, "help": "labelled shard set for the few-shot evaluator"})
+    register_as: str | None = field(default=None, metadata={"recipe": False, "help": "register the final model under this name in the MLflow model registry"})
     seed: int = field(default=0, metadata={"help": "seed for init, shuffling and augmentation"})
-    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
-    run_name: str | None = field(default=None, metadata={"help": "Ray Train run name (same name resumes)"})
-    parent_run_id: str | None = field(default=None, metadata={"help": "MLflow run to nest under"})
-    resources_per_worker: dict[str, float] | None = field(default=None, metadata={"help": "extra Ray resources per worker as JSON, e.g. '{\"node_slot\": 1}' to place one worker per node"})
+    ray_address: str | None = field(default=None, metadata={"recipe": False, "help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
+    run_name: str | None = field(default=None, metadata={"recipe": False, "help": "Ray Train run name (same name resumes)"})
+    parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
+    resources_per_worker: dict[str, float] | None = field(default=None, metadata={"recipe": False, "help": "extra Ray resources per worker as JSON, e.g. '{\"node_slot\": 1}' to place one worker per node"})
 
     def __post_init__(self) -> None:
         for name in ("img_size", "batch_size", "num_workers", "cpus_per_worker", "log_every", "keep_checkpoints"):
@@ -148,21 +148,12 @@ def model_options(cfg: Any) -> dict[str, Any]:
     return opts
 
 
-# Fields that may change between a run and its resumption: the length, where it runs and logs,
-# and how the same update is computed (accumulation, sharding, recomputation).
-RESUME_MAY_CHANGE = frozenset({"epochs", "steps", "max_failures", "log_every", "ray_address", "parent_run_id", "run_name",
-                               "output", "data", "loader_workers", "microbatch", "strategy", "checkpoint_every",
-                               "keep_checkpoints", "storage_path", "fewshot_every", "fewshot_data", "register_as",
-                               "compile", "grad_checkpointing", "resources_per_worker", "cpus_per_worker",
-                               "stop_after"})
-
-
 def check_resumable(saved: dict, current: dict) -> None:
     """Refuse to continue a checkpoint under a different recipe, which would silently mix two runs."""
     if not saved:  # written before checkpoints recorded their config
         return
     changed = sorted(k for k in set(saved) | set(current)
-                     if k not in RESUME_MAY_CHANGE and saved.get(k) != current.get(k))
+                     if k not in free_on_resume(PretrainConfig) and saved.get(k) != current.get(k))
     if changed:
         diffs = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in changed)
         raise ConfigError(
@@ -729,7 +720,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     name = f"pretrain {cfg.variant.replace('/', '')} on {data_record['name']}"
     with tracking.start_run("pretrain", params=config, parent_run_id=cfg.parent_run_id,
                             run_name=name + (f" ({cfg.run_name})" if cfg.run_name else ""),
-                            tags=tracking.run_tags(config, data=records, main=[data_record]),
+                            tags=tracking.run_tags(cfg, data=records, main=[data_record]),
                             log_system_metrics=True) as run:
         tracking.log_shard_inputs(records)
         tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),

@@ -22,7 +22,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, InputError, check, parse_named
+from common.config import ConfigError, InputError, check, not_recipe, parse_named
 from training.vtab_tasks import GROUPS, SPLITS, TASKS, Task, custom_task
 
 RESULTS_FILE = "vtab_results.json"
@@ -45,24 +45,24 @@ class VtabConfig:
     no_crop: list[str] = field(default_factory=list, metadata={"help": "tasks of your own where a crop changes the label"})
     pretrained: str | None = field(default=None, metadata={"help": "model.safetensors written by pretrain; none trains from scratch"})
     variant: str = field(default="Ti/16", metadata={"help": "vitcore variant when training from scratch"})
-    output: str = field(default="vtab_output", metadata={"help": "results and Tune state; re-running with the same one resumes"})
+    output: str = field(default="vtab_output", metadata={"recipe": False, "help": "results and Tune state; re-running with the same one resumes"})
     img_size: int = field(default=384, metadata={"help": "fine-tuning resolution for every task (the paper: 384)"})
     lrs: list[float] = field(default_factory=lambda: [0.001, 0.01], metadata={"help": "learning rates swept"})
     steps: list[int] = field(default_factory=lambda: [500, 2500], metadata={"help": "schedule lengths swept (SGD steps)"})
     batch_size: int = field(default=512, metadata={"help": "optimiser batch"})
-    microbatch: int = field(default=0, metadata={"help": "images per forward/backward (0: the whole batch)"})
+    microbatch: int = field(default=0, metadata={"recipe": False, "help": "images per forward/backward (0: the whole batch)"})
     warmup_steps: int = field(default=500, metadata={"help": "linear warm-up steps; capped at 10% of the steps"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
     crop_min_area: float = field(default=0.05, metadata={"help": "Inception-crop minimum area where crops are allowed"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
-    cpus_per_trial: int = field(default=1, metadata={"help": "CPUs per trial (and torch threads)"})
-    gpus_per_trial: float = field(default=0, metadata={"help": "GPUs per trial; fractions share one GPU"})
-    max_concurrent: int = field(default=0, metadata={"help": "trials at once (0: as resources allow)"})
-    max_failures: int = field(default=2, metadata={"help": "retries of a failed trial"})
+    cpus_per_trial: int = field(default=1, metadata={"recipe": False, "help": "CPUs per trial (and torch threads)"})
+    gpus_per_trial: float = field(default=0, metadata={"recipe": False, "help": "GPUs per trial; fractions share one GPU"})
+    max_concurrent: int = field(default=0, metadata={"recipe": False, "help": "trials at once (0: as resources allow)"})
+    max_failures: int = field(default=2, metadata={"recipe": False, "help": "retries of a failed trial"})
     bf16: bool = field(default=True, metadata={"help": "bf16 autocast on GPU (ignored on CPU)"})
     seed: int = field(default=0, metadata={"help": "seed for init, shuffling and augmentation"})
-    ray_address: str | None = field(default=None, metadata={"help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
-    parent_run_id: str | None = field(default=None, metadata={"help": "MLflow run to nest under"})
+    ray_address: str | None = field(default=None, metadata={"recipe": False, "help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
+    parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
 
     def __post_init__(self) -> None:
         from training.finetune import check_batching
@@ -304,8 +304,7 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
 
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     config = dataclasses.asdict(cfg)
-    state = open_sweep_state(output, config, fresh_keys=("ray_address", "max_concurrent", "max_failures",
-                                                          "parent_run_id"))
+    state = open_sweep_state(output, config, fresh_keys=not_recipe(cfg))
     output.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray_address)
     uri = tracking.tracking_uri()
@@ -316,7 +315,7 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
     name = f"vtab {len(names)} tasks" + (f" from {Path(cfg.pretrained).parent.name}" if cfg.pretrained else "")
     run_ctx = (tracking.start_run("vtab", run_id=state["mlflow_run_id"]) if state else
                tracking.start_run("vtab", params={**config, "tasks": names}, parent_run_id=cfg.parent_run_id,
-                                  run_name=name, tags=tracking.run_tags(config, data=records, main=main,
+                                  run_name=name, tags=tracking.run_tags(cfg, data=records, main=main,
                                                                         models=upstream)))
     with run_ctx as run:
         if state:

@@ -38,7 +38,7 @@ class VtabPrepareConfig:
     source: Literal["tfds", "folders", "split"] = field(metadata={"help": "tfds: a registry task from TFDS-prepared "
                                                                          "data; folders: class folders; split: "
                                                                          "train800/val200 of a shard set"})
-    output: str = field(metadata={"help": "the task folder to write (e.g. DATA_ROOT/dtd)"})
+    output: str = field(metadata={"recipe": False, "help": "the task folder to write (e.g. DATA_ROOT/dtd)"})
     task: str | None = field(default=None, metadata={"help": "registry task name (source tfds)"})
     input: str | None = field(default=None, metadata={"help": "class-folder root (folders) or shard set (split)"})
     tfds_data_dir: str | None = field(default=None, metadata={"help": "TFDS data_dir holding the prepared dataset"})
@@ -48,7 +48,7 @@ class VtabPrepareConfig:
     val_name: str = field(default="val200", metadata={"help": "folder name of the val split"})
     size: int = field(default=384, metadata={"help": "shorter side of the stored images (prepare --size)"})
     upscale: bool = field(default=True, metadata={"help": "enlarge smaller images to --size (VTAB images are small)"})
-    workers: int = field(default=1, metadata={"help": "Beam workers"})
+    workers: int = field(default=1, metadata={"recipe": False, "help": "Beam workers"})
     seed: int = field(default=0, metadata={"help": "seed of the file order (folders) and row order (split)"})
 
     def __post_init__(self) -> None:

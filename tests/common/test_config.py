@@ -56,3 +56,26 @@ def test_missing_and_malformed_config_files(tmp_path):
         from common.config import load_file
 
         load_file(bad)
+
+
+def test_a_field_is_marked_once_as_recipe_length_or_where():
+    import dataclasses
+
+    from common.config import free_on_resume, not_recipe, recipe_of
+
+    @dataclasses.dataclass
+    class Stage:
+        lr: float = 0.1
+        steps: int = dataclasses.field(default=10, metadata={"recipe": "length"})
+        output: str = dataclasses.field(default="out", metadata={"recipe": False})
+
+    assert not_recipe(Stage) == {"output"}
+    assert free_on_resume(Stage()) == {"steps", "output"}
+    assert recipe_of(Stage(output="elsewhere")) == {"lr": 0.1, "steps": 10}
+
+    @dataclasses.dataclass
+    class Bad:
+        x: int = dataclasses.field(default=0, metadata={"recipe": "maybe"})
+
+    with pytest.raises(TypeError, match="Bad.x: recipe mark 'maybe'"):
+        not_recipe(Bad)

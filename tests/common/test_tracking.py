@@ -134,7 +134,7 @@ def test_run_tags_carry_lineage_transitively():
     corpus = {"manifest_sha256": "a" * 64, "prepare_run_id": "p1", "dedup_run_ids": ["d1"],
               "dedup_state": "ingest vs t: 3 removed"}
     train = {"manifest_sha256": "b" * 64, "prepare_run_id": "p2", "dedup_run_ids": [], "dedup_state": "none"}
-    pre = tracking.run_tags({"lr": 0.1, "parent_run_id": "x"}, data=[corpus])
+    pre = tracking.run_tags({"lr": 0.1}, data=[corpus])
     assert pre["vitscale.input_manifest_sha256"] == "a" * 64 and pre["vitscale.dedup_state"] == "ingest vs t: 3 removed"
     assert pre["vitscale.lineage.prepare"] == "p1" and pre["vitscale.lineage.dedup"] == "d1"
     assert pre["vitscale.config_hash"] == tracking.config_hash({"lr": 0.1}) and len(pre["vitscale.config_hash"]) == 16
@@ -180,3 +180,15 @@ def test_a_stage_run_inside_an_active_driver_run_is_not_nested_across_experiment
     r = client.get_run(stage.info.run_id)
     assert "mlflow.parentRunId" not in r.data.tags and r.data.tags["vitscale.demo_run_id"] == demo.info.run_id
     assert r.info.status == "FINISHED" and r.data.tags.get("mlflow.source.name")
+
+
+def test_one_recipe_run_into_two_folders_has_one_hash():
+    from training.pretrain import PretrainConfig
+
+    here = PretrainConfig(data="/a/shards", output="/a/out", run_name="one", storage_path="/a/ray")
+    there = PretrainConfig(data="/b/shards", output="/b/out", run_name="two", ray_address="auto", microbatch=8)
+    assert tracking.config_hash(here) == tracking.config_hash(there)
+    assert tracking.config_hash(here) != tracking.config_hash(PretrainConfig(data="/a/shards", lr=0.5))
+    tags = tracking.run_tags(here)
+    assert {"output", "storage_path", "run_name", "data"} <= set(tags[tracking.TAG_NOT_RECIPE].split(","))
+    assert "lr" not in tags[tracking.TAG_NOT_RECIPE].split(",")

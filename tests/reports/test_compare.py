@@ -10,6 +10,7 @@ import time
 import pytest
 
 from common import tracking
+from common.config import not_recipe
 from reports import compare, html
 from reports.lineage import LineageIndex
 from reports.store import open_store
@@ -26,8 +27,19 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
+def where_tag(stage: str) -> dict:
+    """The tag a stage writes naming its config's where-it-ran fields (common.config.not_recipe)."""
+    from dedup.job import DedupConfig
+    from pipelines.config import PrepareConfig
+    from training.finetune import FinetuneConfig
+    from training.pretrain import PretrainConfig
+
+    cls = {"prepare": PrepareConfig, "dedup": DedupConfig, "pretrain": PretrainConfig, "finetune": FinetuneConfig}.get(stage)
+    return {tracking.TAG_NOT_RECIPE: ",".join(sorted(not_recipe(cls)))} if cls else {}
+
+
 def log(stage: str, params: dict, metrics: dict, *, name: str | None = None, tags: dict | None = None) -> str:
-    with tracking.start_run(stage, params=params, run_name=name, tags=tags) as run:
+    with tracking.start_run(stage, params=params, run_name=name, tags={**where_tag(stage), **(tags or {})}) as run:
         tracking.log_metrics(metrics)
     time.sleep(0.01)  # distinct start times: lineage orders writers by them
     return run.info.run_id
