@@ -211,13 +211,13 @@ def corpus(small_demo):
 
 
 def test_readme_submit_keeps_the_run_in_the_users_store(cluster, corpus, tmp_path):
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "scale-out.md").read_text()
     assert ('--runtime-env-json "{\\"env_vars\\": {\\"VITSCALE_HOME\\": \\"$HOME/vitscale\\"}}"' in readme
             and "-- python jobs/pretrain.py --config configs/pretrain-demo-tiny.yaml --data /shared/shards "
                 "--output runs/tiny" in readme)
     home = tmp_path / "vitscale"
     before = set(os.listdir(REPO))
-    # As the README prints it, shrunk to test size by later flags.
+    # As docs/scale-out.md prints it, shrunk to test size by later flags.
     out = submit(cluster, ["--config", "configs/pretrain-demo-tiny.yaml", "--data", str(corpus), "--output", "runs/tiny",
                            *TINY, "--steps", "4", "--batch-size", "8", "--log-every", "2"],
                  runtime_env={"env_vars": {"VITSCALE_HOME": str(home)}})
@@ -243,7 +243,7 @@ def test_submit_refuses_an_output_that_would_vanish(cluster, corpus):
 def test_two_workers_one_per_node(cluster, corpus, tmp_path):
     sid = f"two-node-{os.getpid()}-{time.time_ns()}"
     out_dir = tmp_path / "two"
-    # The store named by MLFLOW_TRACKING_URI this time (the README's test uses VITSCALE_HOME).
+    # The store named by MLFLOW_TRACKING_URI this time (the scale-out doc's test uses VITSCALE_HOME).
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     out = submit(cluster, ["--data", str(corpus), "--output", str(out_dir), *TINY, "--steps", "6", "--batch-size", "8",
                            "--num-workers", "2", "--resources-per-worker", '{"node_slot": 1}', "--checkpoint-every", "3"],

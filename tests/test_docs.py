@@ -1,0 +1,104 @@
+"""Every relative link in the README, the manual (docs/) and benchmarks/README.md resolves.
+
+A link names a file or folder that exists, and its anchor (``#...``), if any, names a heading of
+that file by GitHub's slug rules. Web (``http(s)://``) and ``mailto:`` links are not checked.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+REFERENCE = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?(\S+?)>?(?:\s+\"[^\"]*\")?\s*$")
+HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
+FENCE = re.compile(r"^\s{0,3}(```|~~~)")
+INLINE_CODE = re.compile(r"(`+).*?\1")
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "benchmarks" / "README.md"]
+
+
+def _prose_lines(text: str):
+    """The lines outside fenced code blocks, with their line numbers."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield number, line
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower-case, punctuation other than - and _ dropped, spaces to -."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading).lower()
+    return "".join(ch for ch in text if ch.isalnum() or ch in "-_ ").replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    found, seen = set(), {}
+    for _, line in _prose_lines(path.read_text(encoding="utf-8")):
+        m = HEADING.match(line)
+        if not m:
+            continue
+        base = slug(m.group(2))
+        n = seen.get(base, 0)
+        seen[base] = n + 1
+        found.add(base if n == 0 else f"{base}-{n}")
+    return found
+
+
+def links(path: Path):
+    """(line number, target) of every link in ``path``'s prose, inline code excluded."""
+    for number, line in _prose_lines(path.read_text(encoding="utf-8")):
+        ref = REFERENCE.match(line)
+        if ref:
+            yield number, ref.group(1)
+            continue
+        for m in LINK.finditer(INLINE_CODE.sub("", line)):
+            yield number, m.group(1)
+
+
+def broken_links(path: Path) -> list[str]:
+    """Every relative link of ``path`` that names a missing file or heading, as 'file:line: target (why)'."""
+    problems = []
+    for number, target in links(path):
+        if re.match(r"^(https?:|mailto:)", target, re.IGNORECASE):
+            continue
+        where = f"{path.relative_to(REPO) if path.is_relative_to(REPO) else path}:{number}: {target}"
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        if not dest.exists():
+            problems.append(f"{where} (no such file: {dest})")
+        elif anchor and (dest.is_dir() or dest.suffix != ".md" or anchor not in anchors(dest)):
+            problems.append(f"{where} (no heading #{anchor} in {dest.name})")
+    return problems
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    files = doc_files()
+    assert all(f.is_file() for f in files) and len(files) >= 10
+    problems = [p for f in files for p in broken_links(f)]
+    assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+def test_a_missing_file_or_heading_is_reported(tmp_path):
+    (tmp_path / "other.md").write_text("# Scale-out: Ray, Dask & MLflow\n\n## Ports\n\n## Ports\n")
+    page = tmp_path / "page.md"
+    page.write_text(
+        "# A page\n"
+        "[ok](other.md) [ok](other.md#scale-out-ray-dask--mlflow) [ok](other.md#ports-1) [ok](#a-page)\n"
+        "[web](https://example.com/missing.md#x) [mail](mailto:someone@example.com) `[code](nowhere.md)`\n"
+        "```\n[fenced](nowhere.md)\n```\n"
+        "[gone](missing.md)\n"
+        "[bad anchor](other.md#scale-out)\n"
+        "[ref]: ./also-missing.md\n"
+    )
+    problems = broken_links(page)
+    assert len(problems) == 3, problems
+    assert ":7: missing.md (no such file" in problems[0]
+    assert ":8: other.md#scale-out (no heading #scale-out in other.md)" in problems[1]
+    assert ":9: ./also-missing.md (no such file" in problems[2]
