@@ -32,6 +32,7 @@ from typing import Iterable, Sequence
 import numpy as np
 from PIL import Image
 
+from common import plots
 from neardup import signatures as sig
 from neardup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
 from neardup.transforms import RANDOM_TRANSFORMS, REVERSE_TRANSFORMS, TRANSFORMS, apply
@@ -326,11 +327,7 @@ def low_texture_report(photos: Sequence[Image.Image], *, threshold: int = DEFAUL
 
 def plot(cal: Calibration, path: str | os.PathLike, *, default: int = DEFAULT_THRESHOLD) -> Path:
     """Recall per transform, precision and FMR against the threshold, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     for name in cal.transforms:
         axes[0].plot(cal.thresholds, cal.recall[name], label=name, lw=1)

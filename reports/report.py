@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from common.config import InputError
-from reports import compare, html, plots
+from common import plots
+from reports import compare, html
 from reports.store import STAGES, Store, open_store
 
 REPORT_FILE = "report.html"
@@ -50,15 +51,19 @@ def _check_selection(store: Store, cfg: ReportConfig) -> None:
 
 
 def make_plots(data: dict) -> dict[str, Any]:
+    def labelled(entries: list[dict]) -> list[dict]:
+        return [{**e, "label": e["run"].label} for e in entries]
+
     finetune: dict[str, bytes | None] = {}
     for group in dict.fromkeys(ent["group"] for ent in data["finetune"]):
-        finetune[group] = plots.finetune_by_lr([ent for ent in data["finetune"] if ent["group"] == group],
+        finetune[group] = plots.finetune_by_lr(labelled([ent for ent in data["finetune"] if ent["group"] == group]),
                                                f"fine-tuning {group}: accuracy per learning rate")
+    pre = data["pretrain"]
     return {
-        "pretrain_curves": plots.pretrain_curves(data["pretrain"]["runs"], data["pretrain"]["curves"]),
+        "pretrain_curves": plots.pretrain_curves([(r.label, pre["curves"].get(r.id, {})) for r in pre["runs"]]),
         "finetune": finetune,
-        "vtab": plots.vtab_bars(data["vtab"]),
-        "dedup": plots.dedup_bars(data["dedup"]),
+        "vtab": plots.vtab_bars(labelled(data["vtab"])),
+        "dedup": plots.dedup_bars(labelled(data["dedup"]["rows"]), data["dedup"]["test_sets"]),
     }
 
 
