@@ -4,7 +4,8 @@ Embedded default: a ``sqlite:///`` store and a local artifact directory under
 ``./mlruns`` (or ``$VITSCALE_HOME``). Set ``MLFLOW_TRACKING_URI`` to point every
 stage at a server instead (``infra/mlflow``). Runs are nested explicitly with
 ``parent_run_id``; a stray ``MLFLOW_RUN_ID`` in the environment is ignored so
-that it cannot silently re-parent a run (REFERENCE.md, Ray pitfalls).
+that it cannot silently re-parent a run: ``mlflow.start_run`` resumes the run it names, and every
+process a job starts, Ray's workers included, inherits it.
 
 The scheme (:data:`STAGE_EXPERIMENTS`, the ``TAG_*`` names, :func:`run_tags`):
 
@@ -30,7 +31,6 @@ import hashlib
 import json
 import os
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
@@ -514,10 +514,6 @@ def get_run(run_id: str):
 
     _use(tracking_uri())
     return mlflow.MlflowClient(tracking_uri()).get_run(run_id)
-
-
-def scratch_dir(prefix: str = "vitscale-") -> str:
-    return tempfile.mkdtemp(prefix=prefix)
 
 
 def register_model(name: str, model_uri: str, *, tags: Mapping[str, str] | None = None) -> dict[str, str]:
