@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from common import plots, tracking
 from common.config import InputError
-from common import plots
+from common.fs import atomic_write
+from common.jobenv import durable_path, is_url
 from reports import compare, html
 from reports.store import STAGES, Store, open_store
 
@@ -69,11 +72,6 @@ def make_plots(data: dict) -> dict[str, Any]:
 
 def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict[str, Any]:
     """Write the report to ``cfg.output`` and log it (and its plots) to a new ``report`` run; returns a summary."""
-    from common import tracking
-    from common.fs import atomic_write
-
-    from common.jobenv import durable_path, is_url
-
     if is_url(cfg.output):
         raise InputError(f"output: {cfg.output} is a URL; give a local file (the report also goes to MLflow as an "
                          "artifact, wherever the store keeps artifacts)")
@@ -114,10 +112,6 @@ def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict
 
 
 def _log_bytes(data: bytes, artifact_file: str) -> None:
-    import tempfile
-
-    from common import tracking
-
     with tempfile.TemporaryDirectory(prefix="vitscale-report-") as tmp:
         path = Path(tmp) / Path(artifact_file).name
         path.write_bytes(data)
