@@ -31,6 +31,10 @@ from PIL import Image
 from neardup import signatures as sig
 from neardup.index import TestSetIndex
 from neardup.transforms import apply
+from pipelines import process
+from pipelines.ingest import _match_test_sets
+from pipelines.process import ProcessOptions, process_item
+from pipelines.sources import SourceItem
 
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "motorcycle_left.png", "camera.png")
 
@@ -71,11 +75,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--index", type=int, default=100_000, help="test images in the index")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
-
-    from pipelines import process
-    from pipelines.ingest import _match_test_sets
-    from pipelines.process import ProcessOptions, process_item
-    from pipelines.sources import SourceItem
 
     photos = make_photos(args.n, args.megapixels)
     items = [SourceItem(f"bench/{i}.jpg", (), data=d) for i, (_, d) in enumerate(photos)]

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import vitcore  # noqa: E402
+from training.data import ShardImageDataset, normalize, train_transform  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -137,8 +138,6 @@ def resident(args, batch: int):
 
 
 def loader(args, workers: int):
-    from training.data import ShardImageDataset, normalize, train_transform
-
     ds = ShardImageDataset(args.shards, train_transform(args.img_size, uint8=True))
     dl = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, drop_last=True,
                                      num_workers=workers, pin_memory=True,

@@ -58,23 +58,22 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import machine  # noqa: E402  (this folder: the script's own path entry, after the repo root)
 import numpy as np  # noqa: E402
+import PIL.features  # noqa: E402
+import simplejpeg  # noqa: E402
 from PIL import Image  # noqa: E402
 
-import machine  # noqa: E402  (this folder: the script's own path entry, after the repo root)
-
+from common.photos import SKLEARN, photos  # noqa: E402
 from pipelines.decode import decode_image  # noqa: E402
 from pipelines.process import ProcessOptions, process_item, resize_encode, target_size  # noqa: E402
 from pipelines.sources import SourceItem  # noqa: E402
-
 
 PHOTOS = ("astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "retina.jpg", "hubble_deep_field.jpg")
 
 
 def _sources(names: tuple[str, ...] = PHOTOS) -> list[Image.Image]:
     """The named scikit-image photographs, then scikit-learn's two sample photographs."""
-    from common.photos import SKLEARN, photos
-
     return list(photos(names + SKLEARN).values())
 
 
@@ -141,8 +140,6 @@ def decode_only(data: bytes, size: int) -> Image.Image:
 
 
 def entropy_floor(data: bytes) -> None:
-    import simplejpeg
-
     simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=1, min_height=1)  # the smallest scale, 1/8
 
 
@@ -215,8 +212,6 @@ def main() -> None:
     ap.add_argument("--megapixels", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     ap.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=["grain", "mosaic"])
     args = ap.parse_args()
-
-    import PIL.features
 
     results: dict[str, dict] = {}
     for corpus in args.corpus:

@@ -47,11 +47,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import machine  # noqa: E402
 import numpy as np  # noqa: E402
+from ingest import _sources  # noqa: E402
 from PIL import Image  # noqa: E402
 
-import machine  # noqa: E402
-from ingest import _sources  # noqa: E402
+from common import tracking  # noqa: E402
 from pipelines.process import target_size  # noqa: E402
 from pipelines.schema import MANIFEST  # noqa: E402
 
@@ -133,8 +134,6 @@ def main() -> None:
         # from the pipeline's start to its end) splits its time into throughput and start-up,
         # which differencing two runs cannot do reliably on a loaded machine.
         os.environ["VITSCALE_HOME"] = str(tmp / "mlruns")
-        from common import tracking
-
         compare: dict[str, dict[str, dict[str, float]]] = {}
         for workers in [int(w) for w in args.compare.split(",") if w.strip()]:
             for runner in ("DirectRunner", "dask"):

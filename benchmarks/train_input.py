@@ -35,12 +35,20 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
+import vitcore  # noqa: E402
+from common.photos import photo  # noqa: E402
+from demo.data import PHOTO_NAMES, random_crop  # noqa: E402
+from pipelines.config import PrepareConfig  # noqa: E402
+from pipelines.ingest import run_prepare  # noqa: E402
+from pipelines.ray_source import read_shards  # noqa: E402
+from pipelines.schema import ShardSet  # noqa: E402
+from training.data import DecodeBatch, ShardImageDataset, normalize, train_transform  # noqa: E402
+from training.loop import autocast  # noqa: E402
+from training.ray_utils import init_ray  # noqa: E402
+
 
 def make_folder(root: Path, n: int, size: int) -> Path:
     """``n`` real-photo crops in class folders (the demo's generator), saved at ``size`` px."""
-    from common.photos import photo
-    from demo.data import PHOTO_NAMES, random_crop
-
     rng = np.random.default_rng(0)
     folder = root / "images"
     per = max(1, n // len(PHOTO_NAMES))
@@ -54,8 +62,6 @@ def make_folder(root: Path, n: int, size: int) -> Path:
 
 
 def folder_loop(folder: Path, img_size: int, batch: int) -> float:
-    from training.data import train_transform
-
     files = sorted(p for p in folder.rglob("*.jpg"))
     t = train_transform(img_size)
     rng = np.random.default_rng(0)
@@ -67,8 +73,6 @@ def folder_loop(folder: Path, img_size: int, batch: int) -> float:
 
 
 def shards_loader(shards: str, img_size: int, batch: int) -> float:
-    from training.data import ShardImageDataset, train_transform
-
     ds = ShardImageDataset(shards, train_transform(img_size))
     loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, drop_last=True)
     start, n = time.perf_counter(), 0
@@ -78,9 +82,6 @@ def shards_loader(shards: str, img_size: int, batch: int) -> float:
 
 
 def ray_data_loader(shards: str, img_size: int, batch: int, num_classes: int) -> float:
-    from pipelines.ray_source import read_shards
-    from training.data import DecodeBatch, normalize
-
     decode = DecodeBatch(img_size, label_mode="single", num_classes=num_classes, holdout=0.0)
     ds = read_shards(shards, columns=["key", "image", "format", "height", "width", "labels"])
     ds = ds.map_batches(decode, batch_format="numpy", batch_size=batch)
@@ -97,10 +98,6 @@ def ray_data_loader(shards: str, img_size: int, batch: int, num_classes: int) ->
 
 def training_step(variant: str, img_size: int, num_classes: int, device: str):
     """One real optimiser step of a vitcore model per call (bf16 autocast on CUDA)."""
-    import vitcore
-    from training.data import normalize
-    from training.loop import autocast
-
     model = vitcore.create_model(variant, num_classes=num_classes, img_size=img_size).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     dev = torch.device(device)
@@ -151,11 +148,6 @@ def main(argv=None) -> dict:
 
     import ray
 
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
-    from pipelines.schema import ShardSet
-    from training.ray_utils import init_ray
-
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -171,9 +163,6 @@ def main(argv=None) -> dict:
             "ray_data_img_s": ray_data_loader(shards, args.img_size, args.batch, num_classes),
         }
         step = training_step(args.model, args.img_size, num_classes, args.device)
-        from pipelines.ray_source import read_shards
-        from training.data import DecodeBatch, ShardImageDataset, train_transform
-
         ds = ShardImageDataset(shards, train_transform(args.img_size, uint8=True))
         loader = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, drop_last=True,
                                              num_workers=args.loader_workers, pin_memory=args.device == "cuda")

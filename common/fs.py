@@ -11,6 +11,8 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
+import fsspec
+
 from common.config import ConfigError
 
 # Partial files are written as <final name>.tmp-<uuid>, then renamed.
@@ -24,8 +26,6 @@ def url_to_fs(url: str | os.PathLike, fs=None):
     """
     if fs is not None:
         return fs, str(url).rstrip("/")
-    import fsspec
-
     fs, path = fsspec.core.url_to_fs(os.fsdecode(url) if isinstance(url, bytes) else str(url))
     return fs, path.rstrip("/")
 

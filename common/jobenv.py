@@ -1,7 +1,7 @@
 """Where a job's results may go when it runs under ``ray job submit --working-dir``.
 
 Ray runs a submitted entrypoint with its cwd inside a throwaway copy of the uploaded directory
-(``.../runtime_resources/working_dir_files/_ray_pkg_<hash>/``, REFERENCE.md). A relative
+(``.../runtime_resources/working_dir_files/_ray_pkg_<hash>/``). A relative
 ``--output`` or the default ``./mlruns`` store would land in that copy and vanish with the Ray
 session while the job reports success. Every stage that can be submitted resolves its outputs
 through :func:`durable_path` and its MLflow store through ``common.tracking``, which refuse such

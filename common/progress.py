@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import os
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterator, TextIO
+from typing import Any, Callable, Iterator, Sequence, TextIO
 
 VERBOSE_ENV = "VITSCALE_VERBOSE"
 PROGRESS_ENV = "VITSCALE_PROGRESS_EVERY"
@@ -42,7 +43,7 @@ NOISE = (
     # MLflow creating a fresh local store.
     r"INFO mlflow\.store\.db\.utils: (Creating initial MLflow database tables|Updating database tables)",
     r"^INFO  \[alembic\.runtime\.migration\]",
-    # Ray's notice that token auth is on: it is, on purpose (README, "Security").
+    # Ray's notice that token auth is on: it is, on purpose (docs/security.md).
     r"Token authentication is enabled for this Ray cluster",
     # Ray Train V2: its placement-group watchdog (whole tracebacks when it cannot query the
     # controller as a fit ends), an internal actor's restart note, start-up steps, and every
@@ -271,6 +272,168 @@ class ProgressLine:
             self._last = float("-inf")  # redraw the status on the next update
         self.lines.append(f"{self.prefix}: {line}")
         self._emit(f"{self.prefix}: {line}\n")
+
+
+# -- the ingest ---------------------------------------------------------------------------------
+
+class IngestProgress:
+    """The ``prepare`` progress line: the workers' counts, a rate and an ETA.
+
+    ``poll`` returns the counts so far (``units``, ``inputs``, ``processed``, ``written``,
+    ``rejected``, ``duplicates``: :class:`pipelines.counts.Totals`), or is None where the workers
+    cannot share a channel with the driver. The rate is items decoded and validated per second
+    since the last look that found no work started (worker start-up excluded); the ETA is the
+    items left at that rate, shown while the total is known (``inputs_total`` from the plan, else
+    extrapolated from the ``units`` read) and items are left to process.
+    """
+
+    def __init__(self, line: ProgressLine, poll: Callable[[], dict[str, int]] | None, units: int,
+                 inputs_total: int | None, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.line, self.poll = line, poll
+        self.units, self.inputs_total = units, inputs_total
+        self._clock = clock
+        self.t0 = self._clock()
+        self._first: float | None = None
+        self._empty = self.t0
+        self._processed = (0, 0.0)  # the last processed count and when it was first seen
+
+    def text(self) -> str:
+        now = self._clock()
+        if self.poll is None:
+            return f"running for {duration(now - self.t0)} (live counts need the staging folder on a local or mounted filesystem)"
+        c = self.poll()
+        if not c["units"]:
+            self._empty = now
+            return f"starting ({duration(now - self.t0)})"
+        if self._first is None:
+            self._first = self._empty  # the work began after the last look that found none
+        if c["processed"] != self._processed[0]:
+            self._processed = (c["processed"], now)
+        # The rate of decoding while it lasts; it stays put while the shards are written.
+        elapsed = self._processed[1] - self._first
+        rate = c["processed"] / elapsed if elapsed > 0 else 0.0
+        seen = f"{c['inputs']}/{self.inputs_total}" if self.inputs_total is not None else f"{c['inputs']}"
+        parts = [f"{seen} inputs seen" + ("" if self.inputs_total is not None else f" ({c['units']}/{self.units} units)"),
+                 f"{c['processed']} processed", f"{c['written']} written", f"{c['rejected']} quarantined",
+                 f"{c['duplicates']} duplicates"]
+        text = ", ".join(parts) + f"; {rate:.1f} img/s"
+        total = self.inputs_total if self.inputs_total is not None else (
+            c["inputs"] * self.units / c["units"] if c["units"] else None)
+        if c["processed"] < (total or 0):
+            text += eta_text(c["processed"], total, now - self._first)
+        elif c["units"] == self.units and c["processed"] >= c["inputs"]:
+            accounted = c["written"] + c["rejected"] + c["duplicates"] >= c["inputs"]
+            text += "; every item accounted for, the runner is finishing" if accounted else "; writing shards"
+        return text + f" ({duration(now - self.t0)} in)"
+
+    def tick(self) -> None:
+        self.line.update(self.text())
+
+    def finish(self) -> dict[str, int] | None:
+        """Write the last line: the totals the workers counted over the whole run (None without a channel)."""
+        wall = self._clock() - self.t0
+        if self.poll is None:
+            self.line.close(f"done in {duration(wall)}")
+            return None
+        c = dict(self.poll())
+        self.line.close(
+            f"done in {duration(wall)}: {c['inputs']} inputs, {c['written']} written, {c['rejected']} quarantined, "
+            f"{c['duplicates']} duplicates; {c['inputs'] / wall if wall > 0 else 0.0:.1f} img/s overall")
+        return c
+
+
+# -- a Ray Tune sweep -----------------------------------------------------------------------------
+
+def _lookup(config: dict, key: str) -> Any:
+    value: Any = config
+    for part in key.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+class _TrialLines:
+    """Trial lines for sweep ``name``: trials labelled by config ``keys`` (dotted for nested), scored by ``metric``.
+
+    Tune's own output (experiment boxes, trial tables, the TensorBoard hint) is off
+    (``verbose=0``); this prints, on the driver, a line when a trial finishes or fails (trial,
+    state, its metric) and a status line in between with the trials per state and the latest
+    result or start. Saved with the sweep's state so that a resumed sweep prints the same; the
+    console stream is opened again after a restore, never pickled. Used as :data:`TrialLines`,
+    the ``ray.tune.Callback`` built on it.
+    """
+
+    def __init__(self, name: str, keys: Sequence[str], metric: str) -> None:
+        self.name, self.keys, self.metric = name, tuple(keys), metric
+        self._line: ProgressLine | None = None
+
+    def __getstate__(self) -> dict:
+        return {"name": self.name, "keys": self.keys, "metric": self.metric, "_line": None}
+
+    @property
+    def line(self) -> ProgressLine:
+        if self._line is None:
+            self._line = ProgressLine(self.name)
+        return self._line
+
+    def label(self, trial) -> str:
+        return " ".join(f"{k.rsplit('.', 1)[-1]}={_fmt(_lookup(trial.config, k))}" for k in self.keys)
+
+    def score(self, result: dict | None) -> str:
+        result = result or {}
+        parts = [f"step {result['step']}"] if "step" in result else []
+        if self.metric in result:
+            parts.append(f"{self.metric} {result[self.metric]:.4f}")
+        return ", ".join(parts) or "no result yet"
+
+    def _states(self, trials, starting=None) -> str:
+        counts: dict[str, int] = {}
+        for t in trials:
+            status = "RUNNING" if t is starting else t.status  # Tune calls on_trial_start just before
+            counts[status] = counts.get(status, 0) + 1
+        order = ("TERMINATED", "RUNNING", "PENDING", "PAUSED", "ERROR")
+        words = {"TERMINATED": "done", "RUNNING": "running", "PENDING": "pending", "PAUSED": "paused", "ERROR": "failed"}
+        return ", ".join(f"{counts[s]} {words[s]}" for s in order if counts.get(s)) + f" of {len(trials)}"
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        self.line.update(f"{self._states(trials, trial)} | {self.label(trial)}: started")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        self.line.update(f"{self._states(trials)} | {self.label(trial)}: {self.score(result)}")
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self.line.above(f"trial {self.label(trial)}: TERMINATED, {self.score(trial.last_result)}")
+
+    def on_trial_recover(self, iteration, trials, trial, **info) -> None:
+        self.line.above(f"trial {self.label(trial)}: failed, retrying ({trial.num_failures} failure(s) so far)")
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self.line.above(f"trial {self.label(trial)}: ERROR after {trial.num_failures} failure(s); "
+                        f"see {trial.error_file or 'its log'}")
+
+    def on_experiment_end(self, trials, **info) -> None:
+        self.line.close(self._states(trials))
+
+
+@functools.cache
+def trial_lines_class() -> type:
+    """:class:`_TrialLines` as a ``ray.tune.Callback``, built on first use so that this module does not import Ray.
+
+    Named ``common.progress.TrialLines`` so that a sweep's pickled state finds it again.
+    """
+    from ray import tune
+
+    return type("TrialLines", (_TrialLines, tune.Callback), {"__module__": __name__, "__qualname__": "TrialLines",
+                                                             "__doc__": _TrialLines.__doc__})
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TrialLines":
+        return trial_lines_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Ticker:

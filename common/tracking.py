@@ -4,7 +4,8 @@ Embedded default: a ``sqlite:///`` store and a local artifact directory under
 ``./mlruns`` (or ``$VITSCALE_HOME``). Set ``MLFLOW_TRACKING_URI`` to point every
 stage at a server instead (``infra/mlflow``). Runs are nested explicitly with
 ``parent_run_id``; a stray ``MLFLOW_RUN_ID`` in the environment is ignored so
-that it cannot silently re-parent a run (REFERENCE.md, Ray pitfalls).
+that it cannot silently re-parent a run: ``mlflow.start_run`` resumes the run it names, and every
+process a job starts, Ray's workers included, inherits it.
 
 The scheme (:data:`STAGE_EXPERIMENTS`, the ``TAG_*`` names, :func:`run_tags`):
 
@@ -30,11 +31,12 @@ import hashlib
 import json
 import os
 import subprocess
-import tempfile
+import time
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from common.config import ConfigError, not_recipe, recipe_of
+from common.fs import atomic_write
 from common.jobenv import RUNTIME_ENV_HINT, inside_copy
 from common.text import utf8_text
 
@@ -365,8 +367,6 @@ def write_lineage(directory: str | Path, run: Any, stage: str) -> Path:
 
     Every stage that reads the model reads this file (:func:`read_lineage`) for its lineage tags.
     """
-    from common.fs import atomic_write
-
     tags = {k: v for k, v in get_run(run.info.run_id).data.tags.items() if k.startswith("vitscale.")}
     record = {"run_id": run.info.run_id, "stage": stage, "experiment_id": run.info.experiment_id,
               "tracking_uri": tracking_uri(), "tags": tags}
@@ -449,8 +449,6 @@ def log_model_from_code(code: str | Path, *, weights: str | Path, name: str = "m
 def log_metrics_to(run_id: str, metrics: Mapping[str, float], *, step: int = 0, uri: str | None = None) -> None:
     """Log to a run by id without making it active: for Ray workers (rank 0) writing into
     a run the driver owns. Ray Train V2 rejects MLflowLoggerCallback, so this is the path."""
-    import time
-
     import mlflow
     from mlflow.entities import Metric
 
@@ -514,10 +512,6 @@ def get_run(run_id: str):
 
     _use(tracking_uri())
     return mlflow.MlflowClient(tracking_uri()).get_run(run_id)
-
-
-def scratch_dir(prefix: str = "vitscale-") -> str:
-    return tempfile.mkdtemp(prefix=prefix)
 
 
 def register_model(name: str, model_uri: str, *, tags: Mapping[str, str] | None = None) -> dict[str, str]:

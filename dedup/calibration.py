@@ -32,9 +32,13 @@ from typing import Iterable, Sequence
 import numpy as np
 from PIL import Image
 
+from common import plots, tracking
+from common.photos import ALL
+from common.photos import photos as load_photos
 from neardup import signatures as sig
-from neardup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
+from neardup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET, TestSetIndex
 from neardup.transforms import RANDOM_TRANSFORMS, REVERSE_TRANSFORMS, TRANSFORMS, apply
+from pipelines.testsets import iter_images
 
 TARGET_RECALL = 0.98
 TARGET_FMR = 1e-4
@@ -47,8 +51,6 @@ def photo_pool(*, tile: int = 128, min_std: float = 12.0) -> list[tuple[str, Ima
     statistics, which makes them hard negatives. Flat tiles (sky, black
     background) are dropped: they are duplicates of each other in any sense.
     """
-    from common.photos import ALL, photos as load_photos
-
     photos = list(load_photos(ALL).items())
     pool = list(photos)
     for name, photo in photos:
@@ -159,8 +161,6 @@ def calibrate(images: Sequence[Image.Image], *, transforms: Iterable[str] | None
     ``groups`` (the source photograph of each image) splits the false pairs into pairs of
     different photos and pairs within one photo.
     """
-    from neardup.index import TestSetIndex
-
     names = list(transforms or TRANSFORMS)
     thresholds = sorted(int(t) for t in thresholds)
     n = len(images)
@@ -283,8 +283,6 @@ def low_texture_report(photos: Sequence[Image.Image], *, threshold: int = DEFAUL
     the rule switched off (codes computed regardless), how often those images
     match each other (false pairs), photos, or their own JPEG q30 copies.
     """
-    from neardup.index import TestSetIndex
-
     low = [img for _, img in low_texture_pool()]
     photo_margins = np.array([sig.texture_margin(im) for im in photos])
     low_margins = np.array([sig.texture_margin(im) for im in low])
@@ -326,11 +324,7 @@ def low_texture_report(photos: Sequence[Image.Image], *, threshold: int = DEFAUL
 
 def plot(cal: Calibration, path: str | os.PathLike, *, default: int = DEFAULT_THRESHOLD) -> Path:
     """Recall per transform, precision and FMR against the threshold, as one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = plots.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(18, 5.5))
     for name in cal.transforms:
         axes[0].plot(cal.thresholds, cal.recall[name], label=name, lw=1)
@@ -379,8 +373,6 @@ def run(out_dir: str | os.PathLike, *, source: str | None = None, holdout: bool 
         raise ValueError(f"--holdout splits the bundled photo pool by source photograph; with --source {source!r}, "
                          "calibrate a held-out source of your own instead (a second run with --source)")
     if source:
-        from pipelines.testsets import iter_images
-
         sets = {"all": [item.image for item in iter_images(source) if item.image is not None]}
         groups = {"all": None}
     else:
@@ -400,8 +392,6 @@ def run(out_dir: str | os.PathLike, *, source: str | None = None, holdout: bool 
     low = low_texture_report([img for images in sets.values() for img in images])
     (out / "low_texture.json").write_text(json.dumps(low, indent=1))
     if log_mlflow:
-        from common import tracking
-
         params = {"images": {k: c.n_images for k, c in cals.items()}, "source": source or "photo_pool",
                   "holdout": holdout, "default_threshold": DEFAULT_THRESHOLD}
         with tracking.start_run("dedup-calibration", params=params, tags=tracking.run_tags(params),

@@ -12,11 +12,12 @@ from pathlib import Path
 
 from PIL import Image
 
-from neardup.index import IndexOutdated, TestSetIndex
-from neardup.report import write_report
-from dedup.rescan import rescan
+from common import tracking
 from common.config import check
 from common.jobenv import durable_path
+from dedup.rescan import rescan
+from neardup.index import IndexOutdated, TestSetIndex
+from neardup.report import write_report
 from pipelines.config import parse_test_sets
 from pipelines.schema import MANIFEST, ShardSet, decode_row_image, shard_set_record
 from pipelines.testsets import build_test_set_index, check_sources, iter_images
@@ -86,8 +87,6 @@ def _test_loader(index: TestSetIndex, sources: dict[str, str]):
 
 def run(cfg: DedupConfig) -> dict:
     """Refresh the index, rescan the shards, write the report; returns a summary dict (also logged to MLflow)."""
-    from common import tracking
-
     # The shards get removed.jsonl, and the index and report are kept: none may vanish with Ray's upload.
     cfg = dataclasses.replace(cfg, **{name: durable_path(getattr(cfg, name), name)
                                       for name in ("shards", "index_dir", "report_dir") if getattr(cfg, name)})

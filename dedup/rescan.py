@@ -24,13 +24,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+from PIL import Image
 
 from common.config import InputError
 from common.fs import atomic_write
 from neardup import signatures as sig
 from neardup.index import FORWARD, REVERSE, TestSetIndex
 from pipelines import schema
-from pipelines.schema import ShardSet, ShardSetError
+from pipelines.schema import ShardSet, ShardSetError, decode_row_image
 
 STATE = schema.DEDUP_STATE
 STATE_FORMAT = 1
@@ -101,10 +102,6 @@ def _corpus_codes(table: pa.Table, phash: list) -> tuple[list[int], np.ndarray]:
         raise ShardSetError(f"{len(stale)} rows have no version-{sig.SIGNATURE_VERSION} signature and the shard holds "
                       "no images to recompute it from; re-run the ingest")
     if stale:
-        from PIL import Image
-
-        from pipelines.schema import decode_row_image
-
         images = table.select([c for c in ("image", "format", "height", "width") if c in table.column_names])
         for i in stale:
             by_row[i] = sig.corpus_codes(Image.fromarray(decode_row_image(images.slice(i, 1).to_pylist()[0])))

@@ -19,7 +19,24 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Iterator
 
+from common import tracking
 from common.config import check
+from common.fs import atomic_write, make_output_dir
+from common.progress import paused
+from dedup.job import DedupConfig
+from dedup.job import run as run_dedup
+from demo import data as demo_data
+from pipelines.config import PrepareConfig
+from pipelines.ingest import run_prepare
+from reports.report import ReportConfig, run_report
+from training.fewshot import FewshotConfig, run_fewshot
+from training.fewshot import format_table as fewshot_table
+from training.finetune import FinetuneConfig, run_finetune
+from training.pretrain import PretrainConfig, run_pretrain
+from training.ray_utils import init_ray
+from training.vtab import VtabConfig, run_vtab
+from training.vtab import format_table as vtab_table
+from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
 
 
 @dataclasses.dataclass
@@ -85,11 +102,6 @@ def _stderr_to(log: Path | None) -> Iterator[None]:
 
 def _prepare(inputs: list[str], output: Path, *, size: int, workers: int, test_sets: list[str], verbose: bool,
              log: Path) -> dict:
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
-
-    from common.progress import paused
-
     # Without --verbose the ingest's own worker defaults apply (errors, and this project's warnings).
     options = ["--default_sdk_harness_log_level=INFO"] if verbose else []
     # The corpus ingest shows its progress; the small ones (a few seconds each) only their counts.
@@ -110,11 +122,6 @@ def _vtab(cfg: DemoConfig, work: Path, pretrained: str, log: Path) -> tuple[dict
     """Generate the three tasks, write their train/val/test shard sets with the folders converter
     (the Beam ingest), and run the VTAB protocol on them with the pre-trained model; returns the
     results and the task specs (GROUP/NAME=DIR)."""
-    from common.progress import paused
-    from demo import data as demo_data
-    from training.vtab import VtabConfig, run_vtab
-    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
-
     raw = demo_data.build_vtab_tasks(work / "data" / "vtab", train=cfg.vtab_train + cfg.vtab_val,
                                      test=cfg.vtab_test, size=32, seed=cfg.seed)
     specs = []
@@ -133,16 +140,6 @@ def _vtab(cfg: DemoConfig, work: Path, pretrained: str, log: Path) -> tuple[dict
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    from common import tracking
-    from common.fs import atomic_write, make_output_dir
-    from dedup.job import DedupConfig, run as run_dedup
-    from demo import data as demo_data
-    from reports.report import ReportConfig, run_report
-    from training.fewshot import FewshotConfig, run_fewshot
-    from training.finetune import FinetuneConfig, run_finetune
-    from training.pretrain import PretrainConfig, run_pretrain
-    from training.ray_utils import init_ray
-
     if not cfg.verbose:
         logging.getLogger().setLevel(logging.WARNING)
         logging.getLogger("apache_beam").setLevel(logging.WARNING)
@@ -256,8 +253,6 @@ def _experiment_urls() -> dict[str, str]:
     """The UI page of each stage's experiment that holds runs, on the runs table (``tracking.ui_url``)."""
     import mlflow
 
-    from common import tracking
-
     client = mlflow.MlflowClient(tracking.tracking_uri())
     urls = {}
     for stage, name in tracking.stage_experiments().items():
@@ -298,12 +293,8 @@ def format_table(s: dict[str, Any]) -> str:
         f"{s['finetune']['test_accuracy']:.3f}  (the result)",
     ]
     if s.get("vtab"):
-        from training.vtab import format_table as vtab_table
-
         lines += ["", vtab_table(s["vtab"])]
     if s.get("fewshot"):
-        from training.fewshot import format_table as fewshot_table
-
         lines += ["", fewshot_table(s["fewshot"])]
     lines += [
         "",

@@ -53,8 +53,8 @@ from typing import Any, Iterable, Iterator, Mapping
 from common.config import InputError
 from common.fs import atomic_open, atomic_write, url_to_fs as _fs
 from common.jobenv import durable_path
-from common.progress import TTY_EVERY, ProgressLine, Ticker
-from pipelines import local_runner, progress, schema
+from common.progress import TTY_EVERY, IngestProgress, ProgressLine, Ticker
+from pipelines import local_runner, schema, worker_counts
 from pipelines.config import PrepareConfig
 from pipelines.process import ProcessOptions, process_item, reject
 from pipelines.sources import SourceError, Unit, expand, plan
@@ -146,11 +146,11 @@ def _read_unit(unit: Unit, max_bytes: int | None = None, progress_dir: str | Non
     try:
         items = [item.materialize() for item in expand(unit, max_bytes=max_bytes)]
     except Exception as exc:  # noqa: BLE001 - any failure of one source becomes its quarantine row
-        progress.count(progress_dir, units=1, inputs=1, processed=1, rejected=1)
+        worker_counts.count(progress_dir, units=1, inputs=1, processed=1, rejected=1)
         yield _unit_failed(unit, exc)
         return
     Metrics.counter(NAMESPACE, "inputs").inc(len(items))
-    progress.count(progress_dir, units=1, inputs=len(items))
+    worker_counts.count(progress_dir, units=1, inputs=len(items))
     yield from items
 
 
@@ -166,7 +166,7 @@ def _process(item, opts: ProcessOptions, progress_dir: str | None = None) -> dic
         uri = getattr(item, "uri", repr(item)[:200])
         log.warning("unexpected error on %s: %s", uri, "".join(traceback.format_exception(exc)[-3:]))
         row = reject(uri, "unexpected_error", f"{uri}: {exc!r}")
-    progress.count(progress_dir, processed=1, rejected=int(_is(row, "rejected")))
+    worker_counts.count(progress_dir, processed=1, rejected=int(_is(row, "rejected")))
     return row
 
 
@@ -174,7 +174,7 @@ def _item_crashed(bad, progress_dir: str | None = None) -> dict[str, Any]:
     """A dead-letter element of ``--isolate-decoder``'s subprocess: the decoder crashed the process."""
     item, (exc_type, exc_repr, tb) = bad
     uri = getattr(item, "uri", repr(item)[:200])
-    progress.count(progress_dir, processed=1, rejected=1)
+    worker_counts.count(progress_dir, processed=1, rejected=1)
     return reject(uri, "unexpected_error", f"{uri}: {exc_repr}")
 
 
@@ -213,7 +213,7 @@ def _match_test_sets(record: dict, index, progress_dir: str | None = None) -> di
     matches = index.match(record["content_hash"], record["phash"])
     if not matches:
         return record
-    progress.count(progress_dir, duplicates=1)
+    worker_counts.count(progress_dir, duplicates=1)
     m = matches[0]  # closest first; an item is counted against one test set only
     return {
         "_t": "duplicate", "key": record["key"], "uri": record["uri"], "cause": m.test_set,
@@ -282,7 +282,7 @@ def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, 
                 writer.write_table(schema.records_to_table(rows))
     Metrics.counter(NAMESPACE, "written").inc(len(kept))
     Metrics.counter(NAMESPACE, "bytes_written").inc(sink.size)
-    progress.count(progress_dir, written=len(kept), duplicates=len(dups))
+    worker_counts.count(progress_dir, written=len(kept), duplicates=len(dups))
     yield {"_t": "shard", "path": name, "rows": len(kept), "bytes": sink.size, "sha256": sink.sha256.hexdigest(),
            "received": len(kept) + len(dups)}
     yield from dups
@@ -359,7 +359,7 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
                    index, out_url: str, staging_url: str, progress_dir: str | None = None) -> None:
     """Add the ingest to pipeline ``p``; all small outputs go as JSON lines under ``staging_url``.
 
-    Workers add their counts to ``progress_dir`` as they go (:mod:`pipelines.progress`).
+    Workers add their counts to ``progress_dir`` as they go (:mod:`pipelines.worker_counts`).
     """
     import apache_beam as beam
     from apache_beam.pvalue import AsSingleton
@@ -463,12 +463,6 @@ def _read_staging(fs, staging: str) -> list[dict]:
         with fs.open(path, "rt") as f:
             rows.extend(json.loads(line) for line in f if line.strip())
     return rows
-
-
-def _same_location(a: str, b: str) -> bool:
-    fa, pa_ = _fs(a)
-    fb, pb = _fs(b)
-    return fa.unstrip_protocol(pa_) == fb.unstrip_protocol(pb)
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -618,9 +612,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             staging = f"{root}/.staging-{uuid.uuid4().hex}"
             fs.makedirs(staging, exist_ok=True)
             options = pipeline_options(run_cfg, dask_address=engine.address, partitions=len(units))
-            channel = progress.channel_dir(staging, fs)
+            channel = worker_counts.channel_dir(staging, fs)
             line = ProgressLine("prepare")
-            watch = progress.IngestProgress(line, channel, units)
+            watch = IngestProgress(line, worker_counts.Totals(channel).poll if channel else None, len(units),
+                                   worker_counts.known_inputs(units))
             try:
                 with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0):
                     with beam.Pipeline(options=options) as p:
@@ -628,7 +623,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                                        channel)
                 watch.finish()
             finally:
-                progress.close(channel)  # the in-process runner's counts file is this process's
+                worker_counts.close(channel)  # the in-process runner's counts file is this process's
             outputs = _read_staging(fs, staging)
             try:
                 manifest, quarantine, duplicates = _summarise(outputs, cfg, label_map, test_sets)

@@ -1,6 +1,6 @@
 """What the report says, as plain data: which runs are comparable, which is best, why, and each
 stage's results (pre-training curves, fine-tuning per learning rate, VTAB, few-shot, dedup counts,
-lineage). ``reports.html`` renders it and ``reports.plots`` draws it.
+lineage). ``reports.html`` renders it and ``common.plots`` draws it.
 """
 from __future__ import annotations
 

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tempfile
 from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from common import plots, tracking
 from common.config import InputError
-from reports import compare, html, plots
+from common.fs import atomic_write
+from common.jobenv import durable_path, is_url
+from reports import compare, html
 from reports.store import STAGES, Store, open_store
 
 REPORT_FILE = "report.html"
@@ -50,25 +54,24 @@ def _check_selection(store: Store, cfg: ReportConfig) -> None:
 
 
 def make_plots(data: dict) -> dict[str, Any]:
+    def labelled(entries: list[dict]) -> list[dict]:
+        return [{**e, "label": e["run"].label} for e in entries]
+
     finetune: dict[str, bytes | None] = {}
     for group in dict.fromkeys(ent["group"] for ent in data["finetune"]):
-        finetune[group] = plots.finetune_by_lr([ent for ent in data["finetune"] if ent["group"] == group],
+        finetune[group] = plots.finetune_by_lr(labelled([ent for ent in data["finetune"] if ent["group"] == group]),
                                                f"fine-tuning {group}: accuracy per learning rate")
+    pre = data["pretrain"]
     return {
-        "pretrain_curves": plots.pretrain_curves(data["pretrain"]["runs"], data["pretrain"]["curves"]),
+        "pretrain_curves": plots.pretrain_curves([(r.label, pre["curves"].get(r.id, {})) for r in pre["runs"]]),
         "finetune": finetune,
-        "vtab": plots.vtab_bars(data["vtab"]),
-        "dedup": plots.dedup_bars(data["dedup"]),
+        "vtab": plots.vtab_bars(labelled(data["vtab"])),
+        "dedup": plots.dedup_bars(labelled(data["dedup"]["rows"]), data["dedup"]["test_sets"]),
     }
 
 
 def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict[str, Any]:
     """Write the report to ``cfg.output`` and log it (and its plots) to a new ``report`` run; returns a summary."""
-    from common import tracking
-    from common.fs import atomic_write
-
-    from common.jobenv import durable_path, is_url
-
     if is_url(cfg.output):
         raise InputError(f"output: {cfg.output} is a URL; give a local file (the report also goes to MLflow as an "
                          "artifact, wherever the store keeps artifacts)")
@@ -109,10 +112,6 @@ def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict
 
 
 def _log_bytes(data: bytes, artifact_file: str) -> None:
-    import tempfile
-
-    from common import tracking
-
     with tempfile.TemporaryDirectory(prefix="vitscale-report-") as tmp:
         path = Path(tmp) / Path(artifact_file).name
         path.write_bytes(data)

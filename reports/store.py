@@ -125,9 +125,6 @@ class Store:
             self._history[(run_id, key)] = [(s, v) for s, (_, v) in sorted(by_step.items())]
         return self._history[(run_id, key)]
 
-    def metric_keys(self, run_id: str) -> list[str]:
-        return sorted(self.runs[run_id].metrics)
-
     def artifact_json(self, run_id: str, path: str) -> Any | None:
         """A JSON artifact of the run, or None when it has none (an older run, a failed one)."""
         with tempfile.TemporaryDirectory(prefix="vitscale-report-") as tmp:

@@ -353,7 +353,7 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
     """
     from ray import tune
 
-    from training.tune_progress import TrialLines
+    from common.progress import TrialLines
 
     # Save the sweep's state after every event, not every 10 s or more: a sweep killed just after
     # a trial finished must not run that trial again on resume. The state is a few kB per trial.

@@ -1,4 +1,4 @@
-"""The VTAB-1k task registry: the 19 tasks in their 3 groups (Zhai et al. 2019; REFERENCE.md, VTAB-1k).
+"""The VTAB-1k task registry: the 19 tasks in their 3 groups (Zhai et al. 2019, VTAB-1k).
 
 Each task carries its class count, how its label is defined from the TFDS features, the splits
 its 1k version is cut from, and the augmentations that would change its label (BiT, Appendix F:

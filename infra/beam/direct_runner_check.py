@@ -4,9 +4,9 @@ Beam 2.77's DirectRunner, with ``direct_num_workers > 1``, now and then loses el
 the runner and its workers, without any error. The cause is a race in Beam's time-based flushing
 of its data streams (``pipelines/local_runner.py`` explains it); ``jobs/prepare.py`` turns that
 flushing off, and its accounting check re-runs in one process should anything still go missing
-(README, "Output"). This script measures whether the Beam installed here still has the race
-(Beam's defaults), and whether the prepare's setting avoids it (``--as-prepare``). Run both after
-upgrading Beam.
+(docs/ingest.md, "Every input is accounted for"). This script measures whether the Beam installed
+here still has the race (Beam's defaults), and whether the prepare's setting avoids it
+(``--as-prepare``). Run both after upgrading Beam.
 
 The pipeline is the smallest one found that shows it: ``Create(units) -> FlatMap`` (16 elements
 of ``--payload-kb`` random bytes per unit) ``-> GroupByKey`` on one key ``-> count``. The loss

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -58,6 +59,77 @@ def test_eta_is_the_work_left_at_the_rate_so_far():
     assert progress.eta(0, 100, 10.0) is None  # nothing to go on yet
     assert progress.eta(5, None, 10.0) is None  # total unknown
     assert [progress.duration(s) for s in (42.3, 185, 3723)] == ["42s", "3m05s", "1h02m"]
+
+
+def test_the_ingest_line_counts_units_until_the_items_are_known():
+    """Items inside archives are counted as they are read: the line says how many of the units are done."""
+    counts = dict.fromkeys(("units", "inputs", "processed", "written", "rejected", "duplicates"), 0)
+    now = [0.0]
+    line = ProgressLine("prepare", stream=io.StringIO(), every=1e-9, tty=False)
+    watch = progress.IngestProgress(line, lambda: counts, 2, None, clock=lambda: now[0])
+    assert watch.text() == "starting (0s)"
+    counts.update(units=1, inputs=11, processed=4, rejected=1)
+    now[0] = 2.0
+    assert watch.text() == ("11 inputs seen (1/2 units), 4 processed, 0 written, 1 quarantined, 0 duplicates; "
+                            "2.0 img/s, ETA 9s (2s in)")
+    assert watch.finish() == counts
+    assert line.lines[-1] == "prepare: done in 2s: 11 inputs, 0 written, 1 quarantined, 0 duplicates; 5.5 img/s overall"
+
+
+def test_without_a_channel_the_ingest_line_shows_the_time_only():
+    line = ProgressLine("prepare", stream=io.StringIO(), every=1e-9, tty=False)
+    watch = progress.IngestProgress(line, None, 3, 30, clock=lambda: 65.0)
+    assert watch.text().startswith("running for 0s (live counts need the staging folder")
+    watch.finish()
+    assert line.lines == ["prepare: done in 0s"]
+
+
+def test_importing_progress_does_not_import_ray_and_the_trial_lines_pickle():
+    r = subprocess.run([sys.executable, "-c", "import sys, common.progress; print('ray' in sys.modules)"],
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert r.stdout.strip() == "False", r.stderr
+    import pickle
+
+    from ray import tune
+
+    lines = progress.TrialLines("finetune select", ["lr", "model.depth"], "val_accuracy")
+    assert isinstance(lines, tune.Callback)
+    again = pickle.loads(pickle.dumps(lines))
+    assert type(again) is progress.TrialLines and (again.name, again.keys) == (lines.name, lines.keys)
+
+
+def _trial(config: dict) -> None:
+    from ray import tune
+
+    if config["lr"] < 0:
+        raise ValueError("a negative learning rate")
+    for step in (1, 2):
+        tune.report({"step": step, "val_accuracy": config["lr"] * step})
+
+
+def test_a_sweep_prints_a_line_per_trial_with_its_state_and_metric(ray_session, tmp_path, capsys, monkeypatch):
+    from ray import tune
+
+    monkeypatch.setenv("VITSCALE_PROGRESS_EVERY", "1e-9")  # every status update, not one per 15 s
+
+    from training.finetune import tune_sweep
+
+    grid = tune_sweep(_trial, {"lr": tune.grid_search([0.25, -1.0])}, name="select", output=tmp_path,
+                      resources={"cpu": 1}, metric="val_accuracy")
+    assert len(grid) == 2
+    out, err = capsys.readouterr()
+    ours = [line for line in err.splitlines() if line.startswith("finetune select: ")]
+    # The status line: trials per state, then the trial that started or reported.
+    assert any(re.fullmatch(r"finetune select: 1 running, 1 pending of 2 \| lr=(0\.25|-1): started", line)
+               for line in ours), ours
+    assert any(re.fullmatch(r"finetune select: .* of 2 \| lr=0\.25: step 1, val_accuracy 0\.2500", line)
+               for line in ours), ours
+    assert "finetune select: trial lr=0.25: TERMINATED, step 2, val_accuracy 0.5000" in ours
+    assert any(line.startswith("finetune select: trial lr=-1: ERROR") for line in ours), ours
+    assert ours[-1] == "finetune select: 1 done, 1 failed of 2"
+    # Tune's own experiment output (its experiment box, the TensorBoard hint, trial tables) stays off.
+    for text in ("Configuration for experiment", "tensorboard", "Trial status", "View detailed results"):
+        assert text.lower() not in (out + err).lower()
 
 
 def _job(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:

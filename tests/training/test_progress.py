@@ -1,4 +1,4 @@
-"""What pretrain and the Tune sweeps show on the console: step lines from rank 0, trial lines, no Ray chatter."""
+"""What pretrain and few-shot show on the console: step lines from rank 0, task lines, no Ray chatter."""
 from __future__ import annotations
 
 import json
@@ -48,40 +48,6 @@ def test_pretrain_prints_step_lines_on_the_driver_and_none_of_rays_chatter(shard
     assert [int(m.group(1)) for m in epochs] == [0, 1], r.stderr  # one line per report, not one per rank
     assert int(epochs[-1].group(2)) == summary["steps"]
     assert not [line for line in lines if any(n in line for n in NOISE)], r.stderr
-
-
-def _trial(config: dict) -> None:
-    from ray import tune
-
-    if config["lr"] < 0:
-        raise ValueError("a negative learning rate")
-    for step in (1, 2):
-        tune.report({"step": step, "val_accuracy": config["lr"] * step})
-
-
-def test_a_sweep_prints_a_line_per_trial_with_its_state_and_metric(ray_session, tmp_path, capsys, monkeypatch):
-    from ray import tune
-
-    monkeypatch.setenv("VITSCALE_PROGRESS_EVERY", "1e-9")  # every status update, not one per 15 s
-
-    from training.finetune import tune_sweep
-
-    grid = tune_sweep(_trial, {"lr": tune.grid_search([0.25, -1.0])}, name="select", output=tmp_path,
-                      resources={"cpu": 1}, metric="val_accuracy")
-    assert len(grid) == 2
-    out, err = capsys.readouterr()
-    ours = [line for line in err.splitlines() if line.startswith("finetune select: ")]
-    # The status line: trials per state, then the trial that started or reported.
-    assert any(re.fullmatch(r"finetune select: 1 running, 1 pending of 2 \| lr=(0\.25|-1): started", line)
-               for line in ours), ours
-    assert any(re.fullmatch(r"finetune select: .* of 2 \| lr=0\.25: step 1, val_accuracy 0\.2500", line)
-               for line in ours), ours
-    assert "finetune select: trial lr=0.25: TERMINATED, step 2, val_accuracy 0.5000" in ours
-    assert any(line.startswith("finetune select: trial lr=-1: ERROR") for line in ours), ours
-    assert ours[-1] == "finetune select: 1 done, 1 failed of 2"
-    # Tune's own experiment output (its experiment box, the TensorBoard hint, trial tables) stays off.
-    for text in ("Configuration for experiment", "tensorboard", "Trial status", "View detailed results"):
-        assert text.lower() not in (out + err).lower()
 
 
 def test_fewshot_prints_a_line_per_task_with_its_accuracies(tmp_path_factory, build_task_dirs, build_pretrained,

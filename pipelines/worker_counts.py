@@ -1,4 +1,5 @@
-"""Live counts of a running ingest, for its progress line.
+"""Live counts of a running ingest, from its workers to the driver, for its progress line
+(:class:`common.progress.IngestProgress`).
 
 Beam's metrics are no use for this: the DirectRunner (FnApiRunner) runs the whole pipeline
 inside ``run()`` and returns its result, the only handle on the metrics, when everything has
@@ -102,70 +103,3 @@ def known_inputs(units) -> int | None:
     if all(u.kind in ("files", "error") for u in units):
         return sum(len(u.uris) if u.kind == "files" else 1 for u in units)
     return None
-
-
-class IngestProgress:
-    """The ``prepare`` progress line: counts from :class:`Totals`, a rate and an ETA.
-
-    The rate is items decoded and validated per second since the last look that found no
-    work started (worker start-up excluded); the ETA is the items left at that rate, shown while the total is
-    known (from the plan, else from the units read) and items are left to process.
-    """
-
-    def __init__(self, line, directory: str | None, units: list, *, clock=None) -> None:
-        import time
-
-        self.line, self.totals = line, Totals(directory)
-        self.units, self.inputs_total = len(units), known_inputs(units)
-        self._clock = clock or time.monotonic
-        self.t0 = self._clock()
-        self._first: float | None = None
-        self._empty = self.t0
-        self._processed = (0, 0.0)  # the last processed count and when it was first seen
-
-    def text(self) -> str:
-        from common.progress import duration, eta_text
-
-        c = self.totals.poll()
-        now = self._clock()
-        if self.totals.directory is None:
-            return f"running for {duration(now - self.t0)} (live counts need the staging folder on a local or mounted filesystem)"
-        if not c["units"]:
-            self._empty = now
-            return f"starting ({duration(now - self.t0)})"
-        if self._first is None:
-            self._first = self._empty  # the work began after the last look that found none
-        if c["processed"] != self._processed[0]:
-            self._processed = (c["processed"], now)
-        # The rate of decoding while it lasts; it stays put while the shards are written.
-        elapsed = self._processed[1] - self._first
-        rate = c["processed"] / elapsed if elapsed > 0 else 0.0
-        seen = f"{c['inputs']}/{self.inputs_total}" if self.inputs_total is not None else f"{c['inputs']}"
-        parts = [f"{seen} inputs seen" + ("" if self.inputs_total is not None else f" ({c['units']}/{self.units} units)"),
-                 f"{c['processed']} processed", f"{c['written']} written", f"{c['rejected']} quarantined",
-                 f"{c['duplicates']} duplicates"]
-        text = ", ".join(parts) + f"; {rate:.1f} img/s"
-        total = self.inputs_total if self.inputs_total is not None else (
-            c["inputs"] * self.units / c["units"] if c["units"] else None)
-        if c["processed"] < (total or 0):
-            text += eta_text(c["processed"], total, now - self._first)
-        elif c["units"] == self.units and c["processed"] >= c["inputs"]:
-            accounted = c["written"] + c["rejected"] + c["duplicates"] >= c["inputs"]
-            text += "; every item accounted for, the runner is finishing" if accounted else "; writing shards"
-        return text + f" ({duration(now - self.t0)} in)"
-
-    def tick(self) -> None:
-        self.line.update(self.text())
-
-    def finish(self) -> dict[str, int]:
-        """Write the last line: the totals the workers counted over the whole run."""
-        from common.progress import duration
-
-        c = dict(self.totals.poll())
-        wall = self._clock() - self.t0
-        self.line.close(
-            f"done in {duration(wall)}: {c['inputs']} inputs, {c['written']} written, {c['rejected']} quarantined, "
-            f"{c['duplicates']} duplicates; {c['inputs'] / wall if wall > 0 else 0.0:.1f} img/s overall"
-            if self.totals.directory is not None else f"done in {duration(wall)}")
-        close(self.totals.directory)
-        return c

@@ -1,4 +1,5 @@
-"""prepare's progress while it runs: true counts from the workers, plain lines off a terminal, a quiet console."""
+"""prepare's progress while it runs: true counts from the workers (pipelines.worker_counts), plain lines off a
+terminal, a quiet console."""
 from __future__ import annotations
 
 import os
@@ -80,8 +81,8 @@ def test_a_tar_source_counts_units_until_its_items_are_known(tmp_path, corpus):
     """Items inside archives are counted as they are read: the line says how many of the units are done."""
     import tarfile
 
-    from common.progress import ProgressLine
-    from pipelines import progress
+    from common.progress import IngestProgress, ProgressLine
+    from pipelines import worker_counts
     from pipelines.sources import plan
 
     with tarfile.open(tmp_path / "a.tar", "w") as tar:
@@ -90,9 +91,9 @@ def test_a_tar_source_counts_units_until_its_items_are_known(tmp_path, corpus):
     channel = tmp_path / "channel"
     channel.mkdir()
     line = ProgressLine("prepare", stream=open(os.devnull, "w"), every=1e-9)
-    watch = progress.IngestProgress(line, str(channel), units)
+    watch = IngestProgress(line, worker_counts.Totals(str(channel)).poll, len(units), worker_counts.known_inputs(units))
     assert watch.text().startswith("starting")
-    progress.count(str(channel), units=1, inputs=11)
-    progress.count(str(channel), processed=4, rejected=1)
+    worker_counts.count(str(channel), units=1, inputs=11)
+    worker_counts.count(str(channel), processed=4, rejected=1)
     assert watch.text().startswith("11 inputs seen (1/1 units), 4 processed, 0 written, 1 quarantined, 0 duplicates;")
-    progress.close(str(channel))
+    worker_counts.close(str(channel))
