@@ -12,10 +12,10 @@ import dataclasses
 import posixpath
 
 from reports.store import Run, Store, shard_set_name
+from vitcore.checkpoint import MODEL_FILE
 
 LINEAGE_TAG = "vitscale.lineage."
 UPSTREAM = ("prepare", "dedup", "pretrain", "finetune")
-MODEL_FILE = "model.safetensors"
 # VTAB task folders hold these three shard sets (training/vtab_data.py).
 VTAB_SPLITS = ("train800", "val200", "test")
 

@@ -18,10 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch.utils.data import ConcatDataset, DataLoader
 
-from common.config import ConfigError, check
+import vitcore
+from common import tracking
+from common.config import check
+from common.fs import atomic_write
+from common.jobenv import durable_path
 from common.progress import ProgressLine, duration, eta_text
+from training.data import ShardImageDataset, eval_transform
+from training.sgd import pretrained_file
+from training.vtab_data import resolve_tasks, task_records
 from training.vtab_tasks import GROUPS
+from vitcore.fewshot import compute_representations, fewshot_accuracy
 
 RESULTS_FILE = "fewshot_results.json"
 
@@ -54,11 +64,6 @@ class FewshotConfig:
 
 def features(model, shard_dirs: list[Path], size: int, batch_size: int, key: str) -> tuple[np.ndarray, np.ndarray]:
     """Frozen ``key`` features and labels of every row of the given shard sets."""
-    from torch.utils.data import ConcatDataset, DataLoader
-
-    from training.data import ShardImageDataset, eval_transform
-    from vitcore.fewshot import compute_representations
-
     ds = ConcatDataset([ShardImageDataset(d, eval_transform(size)) for d in shard_dirs])
     labels: list[np.ndarray] = []
 
@@ -74,8 +79,6 @@ def features(model, shard_dirs: list[Path], size: int, batch_size: int, key: str
 def evaluate_task(train_x, train_y, test_x, test_y, num_classes: int, shots: list[int], seeds: list[int],
                   l2_reg: float) -> dict[str, dict]:
     """``{shots: {"mean", "std", "per_draw"}}`` for each shot count, or ``{"skipped": reason}``."""
-    from vitcore.fewshot import fewshot_accuracy
-
     counts = np.bincount(train_y, minlength=num_classes)
     out = {}
     for k in shots:
@@ -123,33 +126,18 @@ def format_table(results: dict) -> str:
 
 
 def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
-    import torch
-
-    import vitcore
-    from common import tracking
-    from common.fs import atomic_write
-    from training.pretrain import MODEL_FILE
-    from training.vtab import VtabConfig, resolve_tasks
-
-    path = Path(cfg.pretrained).expanduser().resolve()
-    path = path / MODEL_FILE if path.is_dir() else path
-    if not path.is_file():
-        raise ConfigError(f"pretrained: {path} does not exist; pass the {MODEL_FILE} that jobs/pretrain.py wrote")
-    tasks = resolve_tasks(VtabConfig(data_root=cfg.data_root, task=list(cfg.task)))
+    path = pretrained_file(cfg.pretrained)
+    tasks = resolve_tasks(cfg.data_root, list(cfg.task))
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
     model = vitcore.load_checkpoint(path, **({"img_size": cfg.img_size} if cfg.img_size else {})).to(device).eval()
     size = model.config.img_size[0]
     seeds = list(range(cfg.seed, cfg.seed + cfg.draws))
-    from common.jobenv import durable_path
-
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     output.mkdir(parents=True, exist_ok=True)
     per_task = {}
     line = ProgressLine("fewshot")
     t_start = time.perf_counter()
-    from training.vtab import task_records
-
     records, main = task_records(tasks)
     upstream = [u for u in [tracking.read_lineage(path)] if u]
     config = dataclasses.asdict(cfg)

@@ -31,9 +31,9 @@ import numpy as np
 
 from common.config import ConfigError, check, free_on_resume
 from common.progress import TTY_EVERY, ProgressLine, Ticker, eta_text, progress_every
+from vitcore.checkpoint import MODEL_FILE
 
 SCHEDULES = ("linear", "cosine")
-MODEL_FILE = "model.safetensors"
 TRAIN_STATE = "train_state.pt"
 STATE_FORMAT = "vitscale-pretrain/2"
 DEFAULT_EPOCHS = 10
