@@ -18,20 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import ConcatDataset, DataLoader
 
-import vitcore
 from common import tracking
 from common.config import check
 from common.fs import atomic_write
 from common.jobenv import durable_path
 from common.progress import ProgressLine, duration, eta_text
-from training.data import ShardImageDataset, eval_transform
 from training.sgd import pretrained_file
 from training.vtab_data import resolve_tasks, task_records
 from training.vtab_tasks import GROUPS
-from vitcore.fewshot import compute_representations, fewshot_accuracy
 
 RESULTS_FILE = "fewshot_results.json"
 
@@ -64,6 +59,11 @@ class FewshotConfig:
 
 def features(model, shard_dirs: list[Path], size: int, batch_size: int, key: str) -> tuple[np.ndarray, np.ndarray]:
     """Frozen ``key`` features and labels of every row of the given shard sets."""
+    from torch.utils.data import ConcatDataset, DataLoader
+
+    from training.data import ShardImageDataset, eval_transform
+    from vitcore.fewshot import compute_representations
+
     ds = ConcatDataset([ShardImageDataset(d, eval_transform(size)) for d in shard_dirs])
     labels: list[np.ndarray] = []
 
@@ -79,6 +79,8 @@ def features(model, shard_dirs: list[Path], size: int, batch_size: int, key: str
 def evaluate_task(train_x, train_y, test_x, test_y, num_classes: int, shots: list[int], seeds: list[int],
                   l2_reg: float) -> dict[str, dict]:
     """``{shots: {"mean", "std", "per_draw"}}`` for each shot count, or ``{"skipped": reason}``."""
+    from vitcore.fewshot import fewshot_accuracy
+
     counts = np.bincount(train_y, minlength=num_classes)
     out = {}
     for k in shots:
@@ -126,6 +128,10 @@ def format_table(results: dict) -> str:
 
 
 def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
+    import torch
+
+    import vitcore
+
     path = pretrained_file(cfg.pretrained)
     tasks = resolve_tasks(cfg.data_root, list(cfg.task))
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else

@@ -26,26 +26,19 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.data import DataLoader
-
 from common import tracking
 from common.config import ConfigError, check, not_recipe
-from common.fs import atomic_open, atomic_write, make_output_dir
+from common.fs import atomic_write, make_output_dir
 from common.jobenv import durable_path
 from pipelines.schema import MANIFEST, ShardSet, shard_set_record
 from training import run_artifacts
-from training.data import ShardImageDataset, eval_transform, split_rows, train_transform
-from training.loop import evaluate
 from training.ray_utils import init_ray
-from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, train_sgd, trial_device
-from training.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
-from vitcore.checkpoint import MODEL_FILE
+from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
+from training.sweep import copy_final_model, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 # Appendix B.1.1: the development sub-split per dataset, matched against --dataset or the
@@ -123,27 +116,24 @@ class FinetuneConfig:
         return DEFAULT_DEV_FRACTION
 
 
-def build_model(cfg: FinetuneConfig, num_classes: int):
-    """The pre-trained backbone with a fresh zero-initialised head, at the fine-tuning resolution."""
-    return load_backbone(cfg.pretrained, cfg.variant, cfg.img_size, num_classes)
-
-
 def finetune_trial(config: dict) -> None:
     """One learning rate. ``phase="select"``: train on train minus dev, report dev (val) accuracy
     (and test, logged only). ``phase="final"``: train on all of train, report test accuracy."""
     from ray import tune
+    from torch.utils.data import DataLoader
+
+    from training.data import ShardImageDataset, eval_transform, split_rows, train_transform
+    from training.loop import evaluate
 
     cfg = FinetuneConfig(**config["cfg"])
     lr, phase = float(config["lr"]), config["phase"]
-    torch.set_num_threads(max(1, cfg.cpus_per_trial))
-    torch.manual_seed(cfg.seed)
-    device = trial_device(cfg.gpus_per_trial)
+    device = start_trial(cfg.cpus_per_trial, cfg.gpus_per_trial, cfg.seed)
     uri = config["mlflow_uri"]
     run_id = tracking.create_child_run(config["mlflow_parent"], f"{phase} lr={lr:g}", stage=f"finetune-{phase}",
                                        params={"lr": lr, "phase": phase, **config["cfg"]}, uri=uri)
     try:
         train_set = ShardSet(cfg.train)
-        model = build_model(cfg, len(train_set.label_map)).to(device)
+        model = load_backbone(cfg.pretrained, cfg.variant, cfg.img_size, len(train_set.label_map)).to(device)
         img_size = model.config.img_size[0]
         fit_rows, dev_rows = split_rows(len(train_set), cfg.dev_fraction(), cfg.seed)
         if phase == "final":
@@ -193,6 +183,8 @@ def _resolve_inputs(cfg: FinetuneConfig) -> FinetuneConfig:
 
 def _check_splits(cfg: FinetuneConfig) -> tuple[ShardSet, float]:
     """The training split and its dev fraction, once both splits are known to be usable."""
+    from training.data import split_rows
+
     train_set, test_set = ShardSet(cfg.train), ShardSet(cfg.test)
     train_map, test_map = train_set.label_map, test_set.label_map
     if train_map != test_map:
@@ -235,18 +227,15 @@ def _select(cfg: FinetuneConfig, common: dict, output: Path) -> tuple[list[dict]
     return rows, failed, max(rows, key=lambda r: r["val_accuracy"])
 
 
-def _final(cfg: FinetuneConfig, common: dict, output: Path, lr: float):
-    """The final trial at ``lr`` on all of train; its model is copied to ``output``."""
+def _final(cfg: FinetuneConfig, common: dict, output: Path, lr: float) -> tuple[Any, Path]:
+    """The final trial at ``lr`` on all of train, and its model copied into ``output``."""
     final = tune_sweep(finetune_trial, {"lr": lr, "phase": "final", **common}, name="final", output=output,
                        resources=trial_resources(cfg.cpus_per_trial, cfg.gpus_per_trial), metric="test_accuracy",
                        max_failures=cfg.max_failures)
     result = final[0]
     if result.error or not result.metrics or "test_accuracy" not in result.metrics:
         raise RuntimeError(f"the final fine-tune at lr={lr:g} on all of train failed: {result.error}")
-    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
-            atomic_open(output / MODEL_FILE) as dst:
-        shutil.copyfileobj(src, dst)
-    return result
+    return result, copy_final_model(result, output)
 
 
 def _publish(summary: dict, name: str, output: Path, run, label_names) -> None:
@@ -288,7 +277,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     with sweep_run("finetune", output, config, state, records=records, new=new, log_system_metrics=True) as run:
         common = {"cfg": config, "mlflow_parent": run.info.run_id, "mlflow_uri": uri}
         rows, failed, best = _select(cfg, common, output)
-        result = _final(cfg, common, output, best["lr"])
+        result, model_path = _final(cfg, common, output, best["lr"])
         summary = {
             "trials": rows,
             "failed": failed,
@@ -297,7 +286,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
             "selected_val_accuracy": best["val_accuracy"],
             "test_accuracy": result.metrics["test_accuracy"],
             "final_train_rows": result.metrics["train_rows"],
-            "model": str(output / MODEL_FILE),
+            "model": str(model_path),
             "mlflow_run_id": run.info.run_id,
         }
         _publish(summary, name, output, run, train_set.label_names)

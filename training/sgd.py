@@ -6,6 +6,9 @@ SGD with momentum 0.9, no weight decay, global-norm clipping at 1, a short warm-
 decay. The batch (512 in the paper) fits any device: ``microbatch`` images go through the model
 at once and their gradients accumulate into one step (:func:`training.loop.accumulate_step`).
 Polyak averaging, which the paper's ImageNet results use, is optional.
+
+torch and vitcore are imported where they are used: the stages' configs check their batching
+here, and a ``--help`` or a refused flag should not wait for torch to load.
 """
 from __future__ import annotations
 
@@ -15,14 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader
-
-import vitcore
 from common.config import ConfigError, check
-from training.loop import accumulate_step, autocast, effective_warmup, lr_at, set_lr
-from vitcore.checkpoint import MODEL_FILE
 
 
 def check_batching(batch_size: int, microbatch: int) -> None:
@@ -33,6 +29,8 @@ def check_batching(batch_size: int, microbatch: int) -> None:
 
 def pretrained_file(value: str) -> Path:
     """The pre-trained model a ``--pretrained`` names: the file, or ``MODEL_FILE`` in the folder."""
+    from vitcore.checkpoint import MODEL_FILE
+
     path = Path(value).expanduser().resolve()
     if path.is_dir():
         path = path / MODEL_FILE
@@ -44,6 +42,8 @@ def pretrained_file(value: str) -> Path:
 def load_backbone(pretrained: str | None, variant: str, img_size: int | None, num_classes: int):
     """A pre-trained model (position embeddings interpolated to ``img_size``) with the whole head
     replaced by one zero-initialised linear layer; or ``variant`` from scratch."""
+    import vitcore
+
     if pretrained:
         model = vitcore.load_checkpoint(pretrained, **({"img_size": img_size} if img_size else {}))
     else:
@@ -51,7 +51,12 @@ def load_backbone(pretrained: str | None, variant: str, img_size: int | None, nu
     return vitcore.reset_head(model, num_classes)
 
 
-def trial_device(gpus_per_trial: float) -> torch.device:
+def start_trial(cpus_per_trial: int, gpus_per_trial: float, seed: int):
+    """A Tune trial's torch threads (its CPUs) and seed; returns its device."""
+    import torch
+
+    torch.set_num_threads(max(1, cpus_per_trial))
+    torch.manual_seed(seed)
     return torch.device("cuda" if gpus_per_trial and torch.cuda.is_available() else "cpu")
 
 
@@ -72,6 +77,8 @@ class Polyak:
             p.requires_grad_(False)
 
     def update(self, model) -> None:
+        import torch
+
         with torch.no_grad():
             d = min(self.decay, (1 + self.updates) / (10 + self.updates))
             for avg, p in zip(self.model.parameters(), model.parameters()):
@@ -99,6 +106,9 @@ class TrainSpec:
 
 def microbatch_stream(dataset, micro: int, seed: int) -> Iterator:
     """Shuffled microbatches forever, reshuffled (and re-augmented) each epoch."""
+    import torch
+    from torch.utils.data import DataLoader
+
     gen = torch.Generator().manual_seed(seed)
     loader = DataLoader(dataset, batch_size=micro, shuffle=True, drop_last=True, generator=gen)
     epoch = 0
@@ -117,6 +127,11 @@ def train_sgd(model, train_ds, spec: TrainSpec, device, *,
     Returns ``(evaluated_model, stats)``: the averaged model when ``spec.polyak`` is set, else the
     trained one. ``on_eval(model, step, train_loss)`` is called every ``eval_every`` steps.
     """
+    import torch
+    import torch.nn.functional as F
+
+    from training.loop import accumulate_step, autocast, effective_warmup, lr_at, set_lr
+
     batch = min(spec.batch_size, len(train_ds))
     micro = min(spec.microbatch or batch, batch)
     per_step = max(1, batch // micro)

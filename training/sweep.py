@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from common import progress, tracking
 from common.config import ConfigError
-from common.fs import atomic_write
+from common.fs import atomic_open, atomic_write
 
 STATE_FILE = "sweep_state.json"
 
@@ -86,6 +87,16 @@ def report_final(metrics: dict, model) -> None:
     with tempfile.TemporaryDirectory() as d:
         vitcore.save_checkpoint(model, Path(d) / MODEL_FILE)
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+
+
+def copy_final_model(result, output: Path) -> Path:
+    """Copy the model a trial reported (:func:`report_final`) into ``output``; returns its path there."""
+    from vitcore.checkpoint import MODEL_FILE
+
+    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
+            atomic_open(output / MODEL_FILE) as dst:
+        shutil.copyfileobj(src, dst)
+    return output / MODEL_FILE
 
 
 def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Iterable[str] = ()) -> dict | None:

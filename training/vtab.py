@@ -22,17 +22,12 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch.utils.data import ConcatDataset, DataLoader
-
 from common import tracking
 from common.config import check, not_recipe, parse_named
 from common.fs import atomic_write
 from common.jobenv import durable_path
-from training.data import ShardImageDataset, eval_transform, train_transform
-from training.loop import evaluate
 from training.ray_utils import init_ray
-from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, train_sgd, trial_device
+from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
 from training.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
 from training.vtab_data import resolve_tasks, task_records
 from training.vtab_tasks import GROUPS
@@ -90,13 +85,15 @@ class VtabConfig:
 def vtab_trial(config: dict) -> None:
     """One task at one (lr, steps). ``select``: train800 → val200; ``final``: train800val200 → test."""
     from ray import tune
+    from torch.utils.data import ConcatDataset, DataLoader
+
+    from training.data import ShardImageDataset, eval_transform, train_transform
+    from training.loop import evaluate
 
     cfg = VtabConfig(**config["cfg"])
     name, setting, phase = config["task"], config["setting"], config["phase"]
     task = config["tasks"][name]
-    torch.set_num_threads(max(1, cfg.cpus_per_trial))
-    torch.manual_seed(cfg.seed)
-    device = trial_device(cfg.gpus_per_trial)
+    device = start_trial(cfg.cpus_per_trial, cfg.gpus_per_trial, cfg.seed)
     uri = config["mlflow_uri"]
     run_id = tracking.create_child_run(
         config["mlflow_parent"], f"{phase} {name} lr={setting['lr']:g} steps={setting['steps']}",
