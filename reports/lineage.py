@@ -15,7 +15,6 @@ from reports.store import Run, Store, shard_set_name
 
 LINEAGE_TAG = "vitscale.lineage."
 UPSTREAM = ("prepare", "dedup", "pretrain", "finetune")
-MODEL_FILE = "model.safetensors"
 # VTAB task folders hold these three shard sets (training/vtab_data.py).
 VTAB_SPLITS = ("train800", "val200", "test")
 
@@ -82,6 +81,8 @@ def writes(run: Run) -> list[str]:
     if run.stage == "prepare":
         return [out]
     if run.stage in ("pretrain", "finetune"):
+        from vitcore.checkpoint import MODEL_FILE  # vitcore loads torch; the report needs only this name
+
         return [out, posixpath.join(out, MODEL_FILE)]
     return []
 

@@ -12,6 +12,10 @@ From the bottom up (README, "Layout"):
     jobs/ benchmarks/ infra/   entrypoints and tools
 A module may import its own package and anything of a lower layer; vitcore and common import
 only themselves. No two modules may import each other, directly or round a longer loop.
+
+Inside training/ the stages share parts and do not stack (STYLE.md): no stage imports another
+stage's module. The shared parts (sgd, sweep, loop, data, the VTAB registry and task folders, the
+Ray, MLflow and progress helpers) belong to no stage.
 """
 from __future__ import annotations
 
@@ -23,6 +27,10 @@ PROJECT = ("common", "vitcore", "neardup", "dedup", "pipelines", "training", "re
 LAYER = {"common": 0, "vitcore": 0, "neardup": 1, "pipelines": 2, "dedup": 3, "training": 4, "reports": 5,
          "demo": 6, "jobs": 7, "benchmarks": 7, "infra": 7}
 SELF_CONTAINED = {"common", "vitcore"}
+# Pre-training's own components count as pre-training's wherever they exist.
+STAGE = {"training.pretrain": "pretrain", "training.trainer": "pretrain", "training.checkpointer": "pretrain",
+         "training.metrics": "pretrain", "training.finetune": "finetune", "training.vtab": "vtab",
+         "training.fewshot": "fewshot"}
 
 
 def layer_of(module: str) -> str:
@@ -80,6 +88,16 @@ def back_edges(graph: dict[str, set[str]]) -> list[str]:
     return sorted(bad)
 
 
+def stage_edges(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for src, targets in graph.items():
+        for dst in targets:
+            s, d = STAGE.get(src), STAGE.get(dst)
+            if s and d and s != d:
+                bad.append(f"{src} -> {dst} (the {s} stage may not import the {d} stage; share the part instead)")
+    return sorted(bad)
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan)."""
     index: dict[str, int] = {}
@@ -123,6 +141,10 @@ def test_no_module_import_cycles():
     assert cycles(import_graph()) == []
 
 
+def test_no_training_stage_imports_another():
+    assert stage_edges(import_graph()) == []
+
+
 def test_every_module_belongs_to_a_layer():
     assert {layer_of(m) for m in import_graph()} <= set(LAYER)
 
@@ -135,6 +157,17 @@ def test_the_checks_catch_a_back_edge_and_a_cycle():
     assert "neardup.index -> dedup.calibration (neardup may not import dedup)" in back_edges(graph)
     graph["pipelines.schema"] = graph["pipelines.schema"] | {"pipelines.ingest"}
     assert any({"pipelines.schema", "pipelines.ingest"} <= set(c) for c in cycles(graph))
+
+
+def test_the_stage_check_catches_one_stage_standing_on_another():
+    graph = import_graph()
+    assert stage_edges(graph) == []
+    graph["training.vtab"] = graph["training.vtab"] | {"training.finetune"}
+    assert stage_edges(graph) == [
+        "training.vtab -> training.finetune (the vtab stage may not import the finetune stage; share the part instead)"]
+    assert back_edges(graph) == []  # a layer check alone would let it through
+    graph["training.finetune"] = graph["training.finetune"] | {"training.sgd"}
+    assert len(stage_edges(graph)) == 1  # a shared part is no stage
 
 
 def test_function_local_imports_count(tmp_path):

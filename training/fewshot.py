@@ -19,8 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from common.config import ConfigError, check
+from common import tracking
+from common.config import check
+from common.fs import atomic_write
+from common.jobenv import durable_path
 from common.progress import ProgressLine, duration, eta_text
+from training.sgd import pretrained_file
+from training.vtab_data import resolve_tasks, task_records
 from training.vtab_tasks import GROUPS
 
 RESULTS_FILE = "fewshot_results.json"
@@ -126,30 +131,19 @@ def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
     import torch
 
     import vitcore
-    from common import tracking
-    from common.fs import atomic_write
-    from training.pretrain import MODEL_FILE
-    from training.vtab import VtabConfig, resolve_tasks
 
-    path = Path(cfg.pretrained).expanduser().resolve()
-    path = path / MODEL_FILE if path.is_dir() else path
-    if not path.is_file():
-        raise ConfigError(f"pretrained: {path} does not exist; pass the {MODEL_FILE} that jobs/pretrain.py wrote")
-    tasks = resolve_tasks(VtabConfig(data_root=cfg.data_root, task=list(cfg.task)))
+    path = pretrained_file(cfg.pretrained)
+    tasks = resolve_tasks(cfg.data_root, list(cfg.task))
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
     model = vitcore.load_checkpoint(path, **({"img_size": cfg.img_size} if cfg.img_size else {})).to(device).eval()
     size = model.config.img_size[0]
     seeds = list(range(cfg.seed, cfg.seed + cfg.draws))
-    from common.jobenv import durable_path
-
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     output.mkdir(parents=True, exist_ok=True)
     per_task = {}
     line = ProgressLine("fewshot")
     t_start = time.perf_counter()
-    from training.vtab import task_records
-
     records, main = task_records(tasks)
     upstream = [u for u in [tracking.read_lineage(path)] if u]
     config = dataclasses.asdict(cfg)

@@ -53,15 +53,6 @@ def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
-def update(loss: torch.Tensor, opt: torch.optim.Optimizer, model: torch.nn.Module, grad_clip: float) -> None:
-    """One optimiser step with global-norm clipping (the paper clips at 1 for every run)."""
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    if grad_clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    opt.step()
-
-
 def grad_sync(model: torch.nn.Module, enabled: bool):
     """Gradient all-reduce on (``enabled``) or off for the next backward: DDP's ``no_sync`` or
     FSDP2's ``set_requires_gradient_sync``; a no-op for an unwrapped model."""
@@ -80,8 +71,9 @@ def accumulate_step(model: torch.nn.Module, opt: torch.optim.Optimizer, microbat
                     count: int, grad_clip: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimiser step over ``count`` equal micro-batches, the same update as one step on
     their union: each mean loss is scaled by 1/count, and gradients are all-reduced only on the
-    last backward. Returns (mean loss, global gradient norm before clipping) as 0-d tensors
-    on the device, so that a GPU step does not wait for the host."""
+    last backward. The paper clips the global norm at 1 for every run (``grad_clip`` 0: no clip).
+    Returns (mean loss, global gradient norm before clipping) as 0-d tensors on the device, so
+    that a GPU step does not wait for the host."""
     opt.zero_grad(set_to_none=True)
     total = None
     for i, batch in enumerate(microbatches):

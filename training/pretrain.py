@@ -33,7 +33,6 @@ from common.config import ConfigError, check, free_on_resume
 from common.progress import TTY_EVERY, ProgressLine, Ticker, eta_text, progress_every
 
 SCHEDULES = ("linear", "cosine")
-MODEL_FILE = "model.safetensors"
 TRAIN_STATE = "train_state.pt"
 STATE_FORMAT = "vitscale-pretrain/2"
 DEFAULT_EPOCHS = 10
@@ -218,6 +217,7 @@ def train_loop_per_worker(config: dict) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     import vitcore
+    from vitcore.checkpoint import MODEL_FILE
     from vitcore.variants import decode_variant
     from common import tracking
     from training.loop import (accumulate_step, all_reduce_sum, autocast, classification_loss, effective_warmup,
@@ -686,6 +686,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from pipelines.schema import MANIFEST, ShardSet, file_sha256
     from training.data import holdout_mask, shard_keys
     from training.ray_utils import ProgressBoard, init_ray
+    from vitcore.checkpoint import MODEL_FILE
 
     data = Path(cfg.data).expanduser()
     if not (data / MANIFEST).is_file():

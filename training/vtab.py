@@ -10,9 +10,9 @@ the 200-example validation sets", at 384 px for every task. So:
 
 Every trial starts from the pre-trained model with its position embeddings interpolated to
 ``img_size`` and one zero-initialised linear head, and trains with the fine-tuning recipe of
-:mod:`training.finetune` (SGD momentum 0.9, batch 512 via accumulation, clip 1, warm-up + cosine),
-with each task's flip/crop exclusions. Trials run concurrently as Ray's resources allow, are
-retried on failure, and a re-run with the same ``--output`` resumes both sweeps.
+:mod:`training.sgd` (SGD momentum 0.9, batch 512 via accumulation, clip 1, warm-up + cosine), with
+each task's flip/crop exclusions. Trials run concurrently as Ray's resources allow, are retried
+on failure, and a re-run with the same ``--output`` resumes both sweeps (:mod:`training.sweep`).
 """
 from __future__ import annotations
 
@@ -22,15 +22,18 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from common.config import ConfigError, InputError, check, not_recipe, parse_named
-from training.vtab_tasks import GROUPS, SPLITS, TASKS, Task, custom_task
+from common import tracking
+from common.config import check, not_recipe, parse_named
+from common.fs import atomic_write
+from common.jobenv import durable_path
+from training.ray_utils import init_ray
+from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
+from training.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from training.vtab_data import resolve_tasks, task_records
+from training.vtab_tasks import GROUPS
 
 RESULTS_FILE = "vtab_results.json"
 CHART_FILE = "vtab_results.png"
-
-
-class MissingTaskError(InputError):
-    """A task folder or one of its splits is absent; the message names the converter command."""
 
 
 @dataclasses.dataclass
@@ -65,8 +68,6 @@ class VtabConfig:
     parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
 
     def __post_init__(self) -> None:
-        from training.finetune import check_batching
-
         check(bool(self.data_root or self.task), "task", "give --data-root DIR or at least one --task NAME=DIR")
         check(len(self.lrs) > 0 and all(lr > 0 for lr in self.lrs), "lrs", f"give positive learning rates, got {self.lrs}")
         check(len(self.steps) > 0 and all(s > 0 for s in self.steps), "steps", f"give positive step counts, got {self.steps}")
@@ -81,74 +82,18 @@ class VtabConfig:
         return [{"lr": lr, "steps": s} for lr in self.lrs for s in self.steps]
 
 
-def resolve_tasks(cfg: VtabConfig) -> dict[str, dict]:
-    """Every task of the run: ``{name: {"dir", "group", "num_classes", "flip", "crop", "registry"}}``.
-
-    Checked before any trial: each task folder must hold the three splits with one label map.
-    """
-    from pipelines.schema import ShardSet
-
-    found: dict[str, tuple[Task, Path, bool]] = {}
-    if cfg.data_root:
-        root = Path(cfg.data_root).expanduser().resolve()
-        for name, task in TASKS.items():
-            found[name] = (task, root / name, True)
-    for spec, value in parse_named(cfg.task, "task", example="dtd=/data/vtab/dtd").items():
-        if spec in TASKS:
-            found[spec] = (TASKS[spec], Path(value).expanduser().resolve(), True)
-            continue
-        group, sep, name = spec.partition("/")
-        check(bool(sep) and group in GROUPS and bool(name), "task",
-              f"{spec!r}: NAME must be a registry task ({', '.join(TASKS)}) or GROUP/NAME with GROUP one of "
-              f"{', '.join(GROUPS)}")
-        check(name not in found, "task", f"{spec!r}: {name!r} is already a task of this run")
-        found[name] = (custom_task(group, name, flip=name not in cfg.no_flip, crop=name not in cfg.no_crop),
-                       Path(value).expanduser().resolve(), False)
-    for flag in ("no_flip", "no_crop"):
-        unknown = [n for n in getattr(cfg, flag) if n not in found]
-        check(not unknown, flag, f"{', '.join(unknown)}: not a task of this run")
-    tasks = {}
-    for name, (task, path, registry) in found.items():
-        from training.vtab_data import split_command
-
-        for split in SPLITS:
-            if not (path / split / "manifest.json").is_file():
-                what = "does not exist" if not path.exists() else f"has no {split}/ shard set"
-                raise MissingTaskError(f"task {name}: {path} {what}; prepare it with: "
-                                       f"{split_command(name, str(path), registry)}")
-        sets = {s: ShardSet(path / s) for s in SPLITS}
-        maps = {s: sets[s].label_map for s in SPLITS}
-        if not maps["train800"] == maps["val200"] == maps["test"]:
-            raise ConfigError(f"task {name}: the label maps of {path}/train800, val200 and test differ; prepare the "
-                              "three splits with the same --label-map (jobs/vtab_prepare.py does)")
-        classes = len(maps["train800"])
-        if task.num_classes is not None and classes != task.num_classes:
-            raise ConfigError(f"task {name}: {path} has {classes} classes, VTAB's {name} has {task.num_classes}; "
-                              f"prepare it with: {split_command(name, str(path), True)}")
-        empty = [s for s in SPLITS if len(sets[s]) == 0]
-        if empty:
-            raise ConfigError(f"task {name}: {path}/{empty[0]} has no rows; check its quarantine.jsonl")
-        tasks[name] = {"dir": str(path), "group": task.group, "num_classes": classes, "flip": task.flip,
-                       "crop": task.crop, "registry": registry}
-    return tasks
-
-
 def vtab_trial(config: dict) -> None:
     """One task at one (lr, steps). ``select``: train800 → val200; ``final``: train800val200 → test."""
-    import torch
+    from ray import tune
     from torch.utils.data import ConcatDataset, DataLoader
 
-    from common import tracking
     from training.data import ShardImageDataset, eval_transform, train_transform
-    from training.finetune import TrainSpec, load_backbone, report_final, train_sgd, trial_device
     from training.loop import evaluate
 
     cfg = VtabConfig(**config["cfg"])
     name, setting, phase = config["task"], config["setting"], config["phase"]
     task = config["tasks"][name]
-    torch.set_num_threads(max(1, cfg.cpus_per_trial))
-    torch.manual_seed(cfg.seed)
-    device = trial_device(cfg.gpus_per_trial)
+    device = start_trial(cfg.cpus_per_trial, cfg.gpus_per_trial, cfg.seed)
     uri = config["mlflow_uri"]
     run_id = tracking.create_child_run(
         config["mlflow_parent"], f"{phase} {name} lr={setting['lr']:g} steps={setting['steps']}",
@@ -175,8 +120,6 @@ def vtab_trial(config: dict) -> None:
         if phase == "final":
             report_final(metrics, evaluated)
         else:
-            from ray import tune
-
             tune.report(metrics)
         tracking.end_run(run_id, uri=uri)
     except BaseException:
@@ -266,98 +209,82 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def task_records(tasks: dict[str, dict]) -> tuple[list[dict], list[dict]]:
-    """The shard-set records (``pipelines.schema.shard_set_record``) of every split of every task
-    that exists, named ``task/split``; and those of the training splits, the main inputs."""
-    from pipelines.schema import MANIFEST, shard_set_record
+def _sweep(cfg: VtabConfig, space: dict, name: str, output: Path, metric: str):
+    return tune_sweep(vtab_trial, space, name=name, output=output,
+                      resources=trial_resources(cfg.cpus_per_trial, cfg.gpus_per_trial), metric=metric,
+                      max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures,
+                      label=("task", "setting.lr", "setting.steps"), prog="vtab")
 
-    records, main = [], []
-    for task, t in tasks.items():
-        for split in ("train800", "val200", "test"):
-            d = Path(t["dir"]) / split
-            if (d / MANIFEST).is_file():
-                r = {**shard_set_record(d, role="evaluation" if split == "test" else "training"),
-                     "name": f"{task}/{split}"}
-                records.append(r)
-                if split == "train800":
-                    main.append(r)
-    return records, main
+
+def _select(cfg: VtabConfig, common: dict, output: Path, names: list[str]) -> tuple[dict, list[dict]]:
+    """The selection sweep's val200 accuracies, ``val[(lr, steps)][task]``, and its failed trials."""
+    from ray import tune
+
+    grid = _sweep(cfg, {"task": tune.grid_search(names), "setting": tune.grid_search(cfg.settings()),
+                        "phase": "select", **common}, "select", output, "val_accuracy")
+    val: dict[tuple, dict[str, float]] = {}
+    failed = []
+    for r in grid:
+        s = r.config["setting"]
+        if r.error or not r.metrics or "val_accuracy" not in r.metrics:
+            failed.append({"task": r.config["task"], **s, "error": str(r.error)})
+            continue
+        val.setdefault((s["lr"], s["steps"]), {})[r.config["task"]] = r.metrics["val_accuracy"]
+    return val, failed
+
+
+def _final(cfg: VtabConfig, common: dict, output: Path, names: list[str], setting: dict) -> dict[str, float]:
+    """Each task's test accuracy after fine-tuning on train800val200 at ``setting``."""
+    from ray import tune
+
+    final = _sweep(cfg, {"task": tune.grid_search(names), "setting": setting, "phase": "final", **common},
+                   "final", output, "test_accuracy")
+    test = {}
+    for r in final:
+        if r.error or not r.metrics or "test_accuracy" not in r.metrics:
+            raise RuntimeError(f"the final fine-tune of task {r.config['task']} on train800val200 failed: {r.error}")
+        test[r.config["task"]] = r.metrics["test_accuracy"]
+    return test
+
+
+def _publish(results: dict, sweep: list[dict], failed: list[dict], output: Path) -> None:
+    """The results, the sweep's table, the chart and the metrics, in ``output`` and in MLflow."""
+    atomic_write(str(output / RESULTS_FILE), json.dumps(results, indent=2))
+    atomic_write(str(output / "vtab_sweep.json"), json.dumps({"settings": sweep, "failed": failed}, indent=2))
+    plot(results, output / CHART_FILE)
+    table = format_table(results)
+    setting = results["setting"]
+    tracking.log_metrics({"vtab_mean": results["mean"], "lr": setting["lr"], "steps": setting["steps"],
+                          **{f"vtab_{g}": m for g, m in results["groups"].items()},
+                          **{f"test_accuracy.{n}": r["test_accuracy"] for n, r in results["tasks"].items()}})
+    for f in (RESULTS_FILE, CHART_FILE, "vtab_sweep.json"):
+        tracking.log_artifact(output / f)
+    tracking.log_text(table, "vtab_results.txt")
 
 
 def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
-    from ray import tune
-
-    from common import tracking
-    from common.fs import atomic_write
-    from training.finetune import (close_interrupted_children, open_sweep_state, save_sweep_state, tune_sweep)
-    from training.ray_utils import init_ray
-    from training.pretrain import MODEL_FILE
-
+    """Sweep the settings on every task's train800 (scored on val200), choose the best mean, test each task at it."""
     if cfg.pretrained:
-        path = Path(cfg.pretrained).expanduser().resolve()
-        path = path / MODEL_FILE if path.is_dir() else path
-        if not path.is_file():
-            raise ConfigError(f"pretrained: {path} does not exist; pass the {MODEL_FILE} that jobs/pretrain.py wrote")
-        cfg = dataclasses.replace(cfg, pretrained=str(path))
-    tasks = resolve_tasks(cfg)  # before Ray starts: a missing task costs nothing
-    from common.jobenv import durable_path
-
+        cfg = dataclasses.replace(cfg, pretrained=str(pretrained_file(cfg.pretrained)))
+    # Before Ray starts: a missing task costs nothing.
+    tasks = resolve_tasks(cfg.data_root, cfg.task, no_flip=cfg.no_flip, no_crop=cfg.no_crop)
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     config = dataclasses.asdict(cfg)
     state = open_sweep_state(output, config, fresh_keys=not_recipe(cfg))
     output.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray_address)
     uri = tracking.tracking_uri()
-    resources = {"cpu": cfg.cpus_per_trial, **({"gpu": cfg.gpus_per_trial} if cfg.gpus_per_trial else {})}
     names = list(tasks)
     records, main = task_records(tasks)
     upstream = [u for u in ([tracking.read_lineage(cfg.pretrained)] if cfg.pretrained else []) if u]
     name = f"vtab {len(names)} tasks" + (f" from {Path(cfg.pretrained).parent.name}" if cfg.pretrained else "")
-    run_ctx = (tracking.start_run("vtab", run_id=state["mlflow_run_id"]) if state else
-               tracking.start_run("vtab", params={**config, "tasks": names}, parent_run_id=cfg.parent_run_id,
-                                  run_name=name, tags=tracking.run_tags(cfg, data=records, main=main,
-                                                                        models=upstream)))
-    with run_ctx as run:
-        if state:
-            close_interrupted_children(run.info.run_id)
-        else:
-            tracking.log_shard_inputs(records)
-        save_sweep_state(output, config, run.info.run_id)
+    new = {"params": {**config, "tasks": names}, "parent_run_id": cfg.parent_run_id, "run_name": name,
+           "tags": tracking.run_tags(cfg, data=records, main=main, models=upstream)}
+    with sweep_run("vtab", output, config, state, records=records, new=new) as run:
         common = {"cfg": config, "tasks": tasks, "mlflow_parent": run.info.run_id, "mlflow_uri": uri}
-        grid = tune_sweep(vtab_trial, {"task": tune.grid_search(names), "setting": tune.grid_search(cfg.settings()),
-                                       "phase": "select", **common},
-                          name="select", output=output, resources=resources, metric="val_accuracy",
-                          max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures,
-                          label=("task", "setting.lr", "setting.steps"), prog="vtab")
-        val: dict[tuple, dict[str, float]] = {}
-        failed = []
-        for r in grid:
-            s = r.config["setting"]
-            if r.error or not r.metrics or "val_accuracy" not in r.metrics:
-                failed.append({"task": r.config["task"], **s, "error": str(r.error)})
-                continue
-            val.setdefault((s["lr"], s["steps"]), {})[r.config["task"]] = r.metrics["val_accuracy"]
+        val, failed = _select(cfg, common, output, names)
         setting, sweep = choose_setting(val, names, cfg.settings())
-        final = tune_sweep(vtab_trial, {"task": tune.grid_search(names), "setting": setting, "phase": "final",
-                                        **common},
-                           name="final", output=output, resources=resources, metric="test_accuracy",
-                           max_concurrent=cfg.max_concurrent, max_failures=cfg.max_failures,
-                           label=("task", "setting.lr", "setting.steps"), prog="vtab")
-        test = {}
-        for r in final:
-            if r.error or not r.metrics or "test_accuracy" not in r.metrics:
-                raise RuntimeError(f"the final fine-tune of task {r.config['task']} on train800val200 failed: {r.error}")
-            test[r.config["task"]] = r.metrics["test_accuracy"]
-        chosen = val[(setting["lr"], setting["steps"])]
-        results = aggregate(tasks, setting, chosen, test)
-        atomic_write(str(output / RESULTS_FILE), json.dumps(results, indent=2))
-        atomic_write(str(output / "vtab_sweep.json"), json.dumps({"settings": sweep, "failed": failed}, indent=2))
-        plot(results, output / CHART_FILE)
-        table = format_table(results)
-        tracking.log_metrics({"vtab_mean": results["mean"], "lr": setting["lr"], "steps": setting["steps"],
-                              **{f"vtab_{g}": m for g, m in results["groups"].items()},
-                              **{f"test_accuracy.{n}": r["test_accuracy"] for n, r in results["tasks"].items()}})
-        for f in (RESULTS_FILE, CHART_FILE, "vtab_sweep.json"):
-            tracking.log_artifact(output / f)
-        tracking.log_text(table, "vtab_results.txt")
+        test = _final(cfg, common, output, names, setting)
+        results = aggregate(tasks, setting, val[(setting["lr"], setting["steps"])], test)
+        _publish(results, sweep, failed, output)
     return {**results, "sweep": sweep, "failed": failed, "output": str(output), "mlflow_run_id": run.info.run_id}

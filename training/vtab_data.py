@@ -1,4 +1,5 @@
-"""Writing VTAB-1k task folders (``train800/``, ``val200/``, ``test/`` shard sets) from three sources.
+"""VTAB-1k task folders (``train800/``, ``val200/``, ``test/`` shard sets): written from three
+sources, and found and checked for a run (:func:`resolve_tasks`).
 
 - ``tfds``: a registry task from TFDS-prepared data (``tensorflow-datasets`` must be installed and
   the dataset already prepared in ``--tfds-data-dir``; nothing is downloaded). The task's splits
@@ -21,12 +22,19 @@ import shutil
 import tempfile
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+from PIL import Image
 
-from common.config import ConfigError, check
-from training.vtab_tasks import TASKS, TRAIN_SIZE, VAL_SIZE
+from common.config import ConfigError, InputError, check, parse_named
+from common.fs import atomic_write
+from pipelines import schema
+from pipelines.config import PrepareConfig
+from pipelines.ingest import run_prepare
+from training.vtab_tasks import GROUPS, SPLITS, TASKS, TRAIN_SIZE, VAL_SIZE, Task, custom_task
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
 
@@ -71,12 +79,6 @@ def split_command(task: str, out: str, registry: bool) -> str:
 
 def write_subset(src, rows: np.ndarray, out: Path, *, note: dict) -> int:
     """Write rows ``rows`` of shard set ``src`` as a new one-shard set at ``out``; returns rows written."""
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-
-    from common.fs import atomic_write
-    from pipelines import schema
-
     table = pa.concat_tables([pa.Table.from_batches([b]) for b in src.iter_batches()]) if len(src) else None
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("shard-*.arrow"):
@@ -114,10 +116,9 @@ def _order(keys: list[str], seed: int) -> np.ndarray:
 def split_shard_set(src_dir: str | Path, out: str | Path, *, train_size: int = TRAIN_SIZE, val_size: int = VAL_SIZE,
                     seed: int = 0, train_name: str = "train800", val_name: str = "val200") -> dict[str, int]:
     """Deterministic train/val split of a shard set into ``out/train_name`` and ``out/val_name``."""
-    from pipelines.schema import ShardSet
     from training.data import shard_keys
 
-    src = ShardSet(src_dir)
+    src = schema.ShardSet(src_dir)
     if len(src) < train_size + val_size:
         raise ConfigError(f"input: {src_dir} has {len(src)} rows, fewer than --train-size {train_size} + "
                           f"--val-size {val_size}; give a larger shard set or smaller sizes")
@@ -147,9 +148,6 @@ def _ingest(files: list[tuple[Path, str]], out: Path, label_map: Path, cfg: Vtab
     ``key`` (a hash of that uri) is the same on every run over the same folders: the split's row
     order, and with it training order and few-shot draws, repeats. (Copies in a temporary folder
     gave every run new keys, and sources that no longer existed.)"""
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
-
     with open(manifest, "w", encoding="utf-8", errors="surrogateescape") as f:
         for path, cls in files:
             f.write(json.dumps({"uri": str(path.resolve()), "label": cls}) + "\n")
@@ -197,8 +195,6 @@ def from_tfds(cfg: VtabPrepareConfig) -> dict[str, Any]:
             "(pip install tensorflow-datasets tensorflow) and prepare the dataset with TFDS, or export the images "
             "as class folders and use --source folders"
         ) from None
-    from PIL import Image
-
     builder = tfds.builder(task.tfds, data_dir=cfg.tfds_data_dir)
     try:
         builder.info.splits  # noqa: B018  (raises when the dataset was never prepared there)
@@ -250,3 +246,82 @@ def run_vtab_prepare(cfg: VtabPrepareConfig) -> dict[str, Any]:
                              train_name=cfg.train_name, val_name=cfg.val_name)
     return {"output": cfg.output, "counts": counts,
             "next": f"write the test split with: python jobs/prepare.py --input TEST_SRC --output {cfg.output}/test"}
+
+
+# -- reading task folders for a run ------------------------------------------------------------------
+
+class MissingTaskError(InputError):
+    """A task folder or one of its splits is absent; the message names the converter command."""
+
+
+def _task_folders(data_root: str | None, task: list[str], no_flip: Sequence[str],
+                  no_crop: Sequence[str]) -> dict[str, tuple[Task, Path, bool]]:
+    """``{name: (task, folder, is a registry task)}`` from ``--data-root`` and ``--task``."""
+    found: dict[str, tuple[Task, Path, bool]] = {}
+    if data_root:
+        root = Path(data_root).expanduser().resolve()
+        for name, t in TASKS.items():
+            found[name] = (t, root / name, True)
+    for spec, value in parse_named(task, "task", example="dtd=/data/vtab/dtd").items():
+        if spec in TASKS:
+            found[spec] = (TASKS[spec], Path(value).expanduser().resolve(), True)
+            continue
+        group, sep, name = spec.partition("/")
+        check(bool(sep) and group in GROUPS and bool(name), "task",
+              f"{spec!r}: NAME must be a registry task ({', '.join(TASKS)}) or GROUP/NAME with GROUP one of "
+              f"{', '.join(GROUPS)}")
+        check(name not in found, "task", f"{spec!r}: {name!r} is already a task of this run")
+        found[name] = (custom_task(group, name, flip=name not in no_flip, crop=name not in no_crop),
+                       Path(value).expanduser().resolve(), False)
+    for flag, names in (("no_flip", no_flip), ("no_crop", no_crop)):
+        unknown = [n for n in names if n not in found]
+        check(not unknown, flag, f"{', '.join(unknown)}: not a task of this run")
+    return found
+
+
+def resolve_tasks(data_root: str | None, task: list[str], *, no_flip: Sequence[str] = (),
+                  no_crop: Sequence[str] = ()) -> dict[str, dict]:
+    """Every task of a run: ``{name: {"dir", "group", "num_classes", "flip", "crop", "registry"}}``.
+
+    ``data_root`` holds every registry task; ``task`` adds ``NAME=DIR`` or ``GROUP/NAME=DIR``
+    entries, and ``no_flip``/``no_crop`` name the user's tasks a flip or crop would relabel.
+    Checked before any trial: each task folder must hold the three splits with one label map.
+    """
+    tasks = {}
+    for name, (t, path, registry) in _task_folders(data_root, task, no_flip, no_crop).items():
+        for split in SPLITS:
+            if not (path / split / schema.MANIFEST).is_file():
+                what = "does not exist" if not path.exists() else f"has no {split}/ shard set"
+                raise MissingTaskError(f"task {name}: {path} {what}; prepare it with: "
+                                       f"{split_command(name, str(path), registry)}")
+        sets = {s: schema.ShardSet(path / s) for s in SPLITS}
+        maps = {s: sets[s].label_map for s in SPLITS}
+        if not maps["train800"] == maps["val200"] == maps["test"]:
+            raise ConfigError(f"task {name}: the label maps of {path}/train800, val200 and test differ; prepare the "
+                              "three splits with the same --label-map (jobs/vtab_prepare.py does)")
+        classes = len(maps["train800"])
+        if t.num_classes is not None and classes != t.num_classes:
+            raise ConfigError(f"task {name}: {path} has {classes} classes, VTAB's {name} has {t.num_classes}; "
+                              f"prepare it with: {split_command(name, str(path), True)}")
+        empty = [s for s in SPLITS if len(sets[s]) == 0]
+        if empty:
+            raise ConfigError(f"task {name}: {path}/{empty[0]} has no rows; check its quarantine.jsonl")
+        tasks[name] = {"dir": str(path), "group": t.group, "num_classes": classes, "flip": t.flip,
+                       "crop": t.crop, "registry": registry}
+    return tasks
+
+
+def task_records(tasks: dict[str, dict]) -> tuple[list[dict], list[dict]]:
+    """The shard-set records (``pipelines.schema.shard_set_record``) of every split of every task
+    that exists, named ``task/split``; and those of the training splits, the main inputs."""
+    records, main = [], []
+    for task, t in tasks.items():
+        for split in SPLITS:
+            d = Path(t["dir"]) / split
+            if (d / schema.MANIFEST).is_file():
+                r = {**schema.shard_set_record(d, role="evaluation" if split == "test" else "training"),
+                     "name": f"{task}/{split}"}
+                records.append(r)
+                if split == "train800":
+                    main.append(r)
+    return records, main

@@ -115,10 +115,6 @@ TASKS: dict[str, Task] = {t.name: t for t in (
 )}
 
 
-def tasks_in(group: str) -> list[Task]:
-    return [t for t in TASKS.values() if t.group == group]
-
-
 def custom_task(group: str, name: str, *, flip: bool = True, crop: bool = True) -> Task:
     """A user's own task in one of the three groups; its classes come from its shard sets."""
     return Task(name, group, None, "the shard set's labels", flip=flip, crop=crop)

@@ -15,6 +15,8 @@ from .convert import LoadReport, load_adapted
 from .model import ViTConfig, VisionTransformer
 
 FORMAT = "vitcore/1"
+# A stage saves its model under this name in its output folder; the next stage looks for it there.
+MODEL_FILE = "model.safetensors"
 
 
 def save_checkpoint(model: VisionTransformer, path: str | os.PathLike,

@@ -12,26 +12,10 @@ import torch
 
 import vitcore
 from common import tracking
-from training.loop import accumulate_step
 from training.pretrain import TRAIN_STATE, PretrainConfig, epoch_rows, run_pretrain
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(variant="Ti/8", depth=1, img_size=32, num_workers=1, warmup_steps=2, holdout=0.1, log_every=2)
-
-
-def test_accumulated_step_equals_one_large_batch_step():
-    torch.manual_seed(0)
-    x, y = torch.randn(16, 3, 32, 32), torch.randint(0, 5, (16,))
-    models = [vitcore.create_model("Ti/8", depth=2, num_classes=5, img_size=32, dropout=0.0) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
-    for m, opt, parts in zip(models, opts, (1, 4)):
-        batches = list(zip(x.chunk(parts), y.chunk(parts)))
-        loss, norm = accumulate_step(m, opt, iter(batches), lambda b, m=m: torch.nn.functional.cross_entropy(m(b[0]), b[1]),
-                                     count=parts, grad_clip=1.0)
-        assert norm > 0 and loss > 0
-    for a, b in zip(models[0].parameters(), models[1].parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError
-from training.vtab import MissingTaskError, VtabConfig, aggregate, choose_setting, resolve_tasks, run_vtab
+from training.vtab import VtabConfig, aggregate, choose_setting, run_vtab
+from training.vtab_data import MissingTaskError, resolve_tasks
 from training.vtab_tasks import GROUPS, TASKS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,13 +131,11 @@ def test_missing_task_exits_2_naming_the_task_and_the_converter(tmp_path, tasks)
 
     partial = tmp_path / "partial"
     shutil.copytree(tasks["digits"] / "train800", partial / "train800")
-    cfg = VtabConfig(task=[f"natural/digits={tasks['digits']}", f"structured/mine={partial}"],
-                     output=str(tmp_path / "o"))
     with pytest.raises(MissingTaskError, match=r"task mine: .*partial has no val200/ shard set; prepare it with: "
                                                r"python jobs/vtab_prepare.py --source folders"):
-        resolve_tasks(cfg)
+        resolve_tasks(None, [f"natural/digits={tasks['digits']}", f"structured/mine={partial}"])
     with pytest.raises(ConfigError, match="GROUP/NAME with GROUP one of natural, specialized, structured"):
-        resolve_tasks(VtabConfig(task=[f"weird/x={tasks['digits']}"]))
+        resolve_tasks(None, [f"weird/x={tasks['digits']}"])
 
 
 @pytest.fixture(scope="module")

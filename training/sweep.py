@@ -1,0 +1,157 @@
+"""Ray Tune sweeps that resume, and their state, shared by fine-tuning and VTAB.
+
+A sweep lives under ``OUTPUT/ray/<name>``; running the same command again after an interruption
+restores it (finished trials are kept, unfinished and errored ones run again). Its MLflow run is
+named in ``OUTPUT/sweep_state.json`` with the configuration it ran, so the re-run reopens the same
+MLflow run, and a re-run with different flags is refused rather than mixing two sweeps' trials.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Mapping
+
+from common import progress, tracking
+from common.config import ConfigError
+from common.fs import atomic_open, atomic_write
+
+STATE_FILE = "sweep_state.json"
+
+
+def trial_resources(cpus_per_trial: int, gpus_per_trial: float) -> dict:
+    return {"cpu": cpus_per_trial, **({"gpu": gpus_per_trial} if gpus_per_trial else {})}
+
+
+def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resources: dict, metric: str,
+               max_concurrent: int = 0, max_failures: int = 0, label: tuple[str, ...] = ("lr",),
+               prog: str = "finetune"):
+    """Run a Tune sweep under ``output/ray/name``, or resume it if an interrupted one is there.
+
+    A resumed sweep keeps its finished trials and runs the unfinished and errored ones again
+    (``resume_errored``: they start from scratch, as a retry does). The console gets a line per
+    trial event, trials named by the config keys in ``label`` (:class:`common.progress.TrialLines`).
+    """
+    from ray import tune
+
+    from common.progress import TrialLines
+
+    # Save the sweep's state after every event, not every 10 s or more: a sweep killed just after
+    # a trial finished must not run that trial again on resume. The state is a few kB per trial.
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "0")
+    storage = output / "ray"
+    trainable = tune.with_resources(trainable, resources)
+    if tune.Tuner.can_restore(str(storage / name)):
+        tuner = tune.Tuner.restore(str(storage / name), trainable=trainable, resume_errored=True)
+    else:
+        tuner = tune.Tuner(
+            trainable,
+            param_space=param_space,
+            tune_config=tune.TuneConfig(metric=metric, mode="max", max_concurrent_trials=max_concurrent or None),
+            run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
+                                      callbacks=[TrialLines(f"{prog} {name}", label, metric)],
+                                      failure_config=tune.FailureConfig(max_failures=max_failures)),
+        )
+    # Tune's current output engine prints its experiment box and a TensorBoard hint to stdout
+    # even at verbose=0; the older one, which Tune reads this variable for, honours verbose=0.
+    with _env("RAY_AIR_NEW_OUTPUT", None if progress.verbose() else "0"):
+        return tuner.fit()
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str | None):
+    """``os.environ[name] = value`` for the duration (None: leave it as it is)."""
+    before = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+
+def report_final(metrics: dict, model) -> None:
+    """Report a trial's last result to Tune with its model as the checkpoint."""
+    from ray import tune
+
+    import vitcore
+    from vitcore.checkpoint import MODEL_FILE
+
+    with tempfile.TemporaryDirectory() as d:
+        vitcore.save_checkpoint(model, Path(d) / MODEL_FILE)
+        tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+
+
+def copy_final_model(result, output: Path) -> Path:
+    """Copy the model a trial reported (:func:`report_final`) into ``output``; returns its path there."""
+    from vitcore.checkpoint import MODEL_FILE
+
+    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
+            atomic_open(output / MODEL_FILE) as dst:
+        shutil.copyfileobj(src, dst)
+    return output / MODEL_FILE
+
+
+def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Iterable[str] = ()) -> dict | None:
+    """The state of an interrupted sweep in ``output`` (its MLflow run), or None for a new one.
+
+    Resuming with a different configuration would mix trials of two sweeps; that is refused.
+    """
+    path = output / STATE_FILE
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    old = state.get("config", {})
+    ignore = set(fresh_keys)
+    changed = sorted(k for k in set(old) | set(config) if k not in ignore and old.get(k) != config.get(k))
+    if changed:
+        k = changed[0]
+        raise ConfigError(
+            f"output: {output} holds a sweep run with {k}={old.get(k)!r}, not {config.get(k)!r}"
+            f"{' (and ' + ', '.join(changed[1:]) + ')' if changed[1:] else ''}; re-run with the same flags to "
+            "resume it, or pass a new --output"
+        )
+    return state
+
+
+def save_sweep_state(output: Path, config: Mapping[str, Any], run_id: str) -> None:
+    atomic_write(str(output / STATE_FILE), json.dumps({"config": dict(config), "mlflow_run_id": run_id},
+                                                       indent=2, default=str))
+
+
+def close_interrupted_children(run_id: str) -> int:
+    """Mark the child runs an interrupted sweep left RUNNING as KILLED (their trials run again)."""
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    parent = client.get_run(run_id)
+    stale = client.search_runs([parent.info.experiment_id],
+                               filter_string=f"tags.mlflow.parentRunId = '{run_id}' and attributes.status = 'RUNNING'")
+    for r in stale:
+        client.set_terminated(r.info.run_id, "KILLED")
+    return len(stale)
+
+
+@contextlib.contextmanager
+def sweep_run(stage: str, output: Path, config: Mapping[str, Any], state: dict | None, *,
+              records: list[dict], new: Mapping[str, Any], **options) -> Iterator:
+    """The sweep's MLflow run: the interrupted sweep's run reopened when ``state`` names one, else
+    a new run started with ``new`` (and its shard-set inputs logged). ``options`` go to both."""
+    if state:
+        ctx = tracking.start_run(stage, run_id=state["mlflow_run_id"], **options)
+    else:
+        ctx = tracking.start_run(stage, **new, **options)
+    with ctx as run:
+        if state:
+            close_interrupted_children(run.info.run_id)
+        else:
+            tracking.log_shard_inputs(records)
+        save_sweep_state(output, config, run.info.run_id)
+        yield run
