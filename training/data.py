@@ -359,25 +359,44 @@ class DecodeBatch:
     disaggregated preprocessing). Images leave as uint8 (a quarter of float32's bytes through the
     object store); the trainer applies :func:`normalize`. Augmentation is drawn from fresh
     entropy on each pass, since a streaming pipeline does not know which epoch it is serving.
+
+    With ``canvas`` (from :func:`canvas_shape`) it does only the CPU half, as
+    :class:`ShardCropDataset` does: batches of :data:`training.augment.CROP_FIELDS` for
+    :func:`training.augment.crop_resize_flip` on the device. The canvas is fixed so that Ray Data
+    can re-batch rows from different tasks.
     """
 
     def __init__(self, size: int, *, label_mode: LabelMode, num_classes: int,
-                 holdout: float, train: bool = True):
+                 holdout: float, train: bool = True, canvas: tuple[int, int] | None = None):
         self.transform = train_transform(size, uint8=True) if train else eval_transform(size, uint8=True)
         self.label_mode, self.num_classes, self.holdout, self.train = label_mode, num_classes, holdout, train
+        self.size, self.canvas = size, canvas
 
     def __call__(self, batch: dict) -> dict:
         rng = np.random.default_rng()
-        images, targets = [], []
-        for key, data, fmt, h, w, labels in zip(batch["key"], batch["image"], batch["format"], batch["height"],
-                                                 batch["width"], batch["labels"]):
-            if is_held_out(str(key), self.holdout) == self.train:
-                continue
-            images.append(self.transform(decode_row_image(bytes(data), str(fmt), int(h), int(w)), rng))
-            targets.append(encode_target(labels, self.label_mode, self.num_classes, row=f"row {key}"))
-        if not images:
-            return {"image": np.zeros((0, 3, 1, 1), np.uint8), "label": np.zeros((0,), np.int64)}
-        return {"image": np.stack(images), "label": np.asarray(targets)}
+        keep = [i for i, key in enumerate(batch["key"]) if is_held_out(str(key), self.holdout) != self.train]
+        targets = [encode_target(batch["labels"][i], self.label_mode, self.num_classes, row=f"row {batch['key'][i]}")
+                   for i in keep]
+        label = np.asarray(targets) if targets else np.zeros((0,), np.int64)
+        if self.canvas is not None:
+            return {**self._crops(batch, keep, rng), "label": label}
+        if not keep:
+            return {"image": np.zeros((0, 3, 1, 1), np.uint8), "label": label}
+        images = [self.transform(decode_row_image(bytes(batch["image"][i]), str(batch["format"][i]),
+                                                  int(batch["height"][i]), int(batch["width"][i])), rng)
+                  for i in keep]
+        return {"image": np.stack(images), "label": label}
+
+    def _crops(self, batch: dict, keep: list[int], rng: np.random.Generator) -> dict:
+        n = len(keep)
+        image = np.empty((n, *self.canvas, 3), np.uint8)
+        box, extent, flip = np.empty((n, 4), np.float32), np.empty((n, 2), np.int64), np.zeros(n, bool)
+        for k, i in enumerate(keep):
+            h, w, fmt = int(batch["height"][i]), int(batch["width"][i]), str(batch["format"][i])
+            b = inception_box(w, h, rng) if self.train else (0, 0, w, h)
+            flip[k] = self.train and rng.random() < 0.5
+            box[k], extent[k] = paste_crop(batch["image"][i], fmt, h, w, b, self.size, image[k])
+        return {"image": image, "box": box, "extent": extent, "flip": flip}
 
 
 def split_rows(rows: np.ndarray | int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
