@@ -290,8 +290,9 @@ class ShardCropDataset(ShardImageDataset):
         super().__init__(shards, None, label_mode=label_mode, rows=rows, seed=seed)
         self.size, self.flip, self.min_area = size, flip, min_area
         self.canvas = canvas or canvas_shape(self.shards, size, min_area=min_area)
+        self._retained = [self.shards.retained_rows(i) for i in range(len(self.shards.shards))]
+        self._starts = np.cumsum([0] + [len(r) for r in self._retained]).tolist()
         self._columns: dict[int, _ShardColumns] = {}
-        self._starts = np.cumsum([0] + [len(self.shards.retained_rows(i)) for i in range(len(self.shards.shards))])
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -299,11 +300,11 @@ class ShardCropDataset(ShardImageDataset):
         return state
 
     def _row(self, index: int):
-        shard = int(np.searchsorted(self._starts, index, side="right")) - 1
+        shard = bisect.bisect_right(self._starts, index) - 1
         cols = self._columns.get(shard)
         if cols is None:
             cols = self._columns[shard] = _ShardColumns(self.shards.open_shard(shard))
-        return cols.row(int(self.shards.retained_rows(shard)[index - self._starts[shard]]))
+        return cols.row(int(self._retained[shard][index - self._starts[shard]]))
 
     def __getitem__(self, i: int) -> dict:
         return self.__getitems__([i])

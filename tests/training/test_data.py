@@ -240,3 +240,24 @@ def torch_from(a):
     import torch
 
     return torch.from_numpy(np.asarray(a))
+
+
+def test_crop_batches_train_a_model_through_the_device_half(photo_shards):
+    """The wiring the trainer will use: DataLoader of crop batches, then device_batch after the copy."""
+    import torch
+
+    import vitcore
+    from training.augment import device_batch
+    from training.data import ShardCropDataset, collate_crops
+
+    ds = ShardCropDataset(photo_shards, 32, seed=0)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, shuffle=True, drop_last=True, collate_fn=collate_crops)
+    torch.manual_seed(0)
+    model = vitcore.create_model("Ti/16", num_classes=ds.num_classes, img_size=32, depth=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = device_batch(next(iter(loader)), 32, "cpu")
+    assert x.shape == (4, 3, 32, 32) and y.dtype == torch.int64
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
