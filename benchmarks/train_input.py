@@ -322,7 +322,25 @@ def profile(shards: str, img_size: int, batch: int) -> dict:
             simplejpeg.decode_jpeg(data, min_height=-(-h * m // 8), min_width=-(-w * m // 8))
         scales[f"{m}/8"] = round((time.thread_time_ns() - start) / 1e3 / 50, 1)
     table["decode_us_by_dct_scale"] = scales
+    table["batch_canvas_fill_ms"] = fill_ms(batch * crop.canvas[0] * crop.canvas[1] * 3)
     return table
+
+
+def fill_ms(nbytes: int, reps: int = 20) -> dict:
+    """Milliseconds to write a batch's bytes into fresh shared memory (a DataLoader process's
+    batch) and into private memory that the allocator reuses (a batch made in process)."""
+    out = {}
+    for kind in ("shared", "private"):
+        start = time.thread_time_ns()
+        for _ in range(reps):
+            if kind == "shared":
+                t = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+            else:
+                t = torch.empty(nbytes, dtype=torch.uint8)
+            t.fill_(1)
+            del t
+        out[kind] = round((time.thread_time_ns() - start) / 1e6 / reps, 2)
+    return out
 
 
 def make_shards(root: Path, images: int, source_size: int, size: int, store: str = "jpeg",

@@ -3,6 +3,11 @@
 Train input (REFERENCE.md, official fine-tuning configs): Inception crop (area 0.05-1) →
 resize → random horizontal flip → ``(x - 127.5) / 127.5``. Eval input: plain resize.
 
+Two ways to run it. Per item on the CPU: :class:`ShardImageDataset` with :func:`train_transform`.
+Split, to feed a GPU: :class:`ShardCropDataset` (or :class:`DecodeBatch` with a canvas) decodes and
+copies each crop's pixels into a uint8 batch, and :func:`training.augment.crop_resize_flip` does the
+resize, flip and value range for the batch on the device. Both draw the same boxes and flips.
+
 The dataset is map-style over a :class:`pipelines.schema.ShardSet`, so a
 ``DistributedSampler`` gives every Ray Train worker a disjoint, reshuffled slice per epoch
 straight from the memory-mapped shards. Rows listed in the shard set's removal list
