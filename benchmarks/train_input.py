@@ -16,8 +16,9 @@ Per core (the final JSON line; run pinned to one core, ``taskset -c 1``), CPU ti
 ``--profile`` adds a per-stage breakdown (microseconds per image), including the hand-off from a
 DataLoader process (the CPU of one worker process plus the trainer's, minus the same rows in
 process). ``--raw`` also stores the shards with ``prepare --store raw`` and measures both loaders
-on them. ``--loaders`` runs the end-to-end comparison that predates the crop split: a folder-of-JPEGs
-loop, the shards loader, Ray Data (all float per-item), then input wait while training ``--model``.
+on them. ``--loaders`` runs the end-to-end comparison (wall clock): a folder-of-JPEGs loop, the shards
+loader and Ray Data, each per item (float) and as the crop split (``*_crop_*``), then their input
+wait while training ``--model``, the crop split's device half inside the step.
 
 Without ``--shards``, shards of ``--images`` real-photo crops (the demo's generator) are made at
 ``--size`` px. The final line is JSON.
@@ -71,31 +72,47 @@ def folder_loop(folder: Path, img_size: int, batch: int) -> float:
     return (len(files) // batch * batch) / (time.perf_counter() - start)
 
 
-def shards_loader(shards: str, img_size: int, batch: int) -> float:
-    from training.data import ShardImageDataset, train_transform
+def shards_loader(shards: str, img_size: int, batch: int, crop: bool = False) -> float:
+    """Images/s delivered by the shards loader in process: float per item, or crop batches."""
+    from training.data import (
+        ShardCropDataset,
+        ShardImageDataset,
+        collate_crops,
+        train_transform,
+    )
 
-    ds = ShardImageDataset(shards, train_transform(img_size))
-    loader = torch.utils.data.DataLoader(ds, batch_size=batch, shuffle=True, drop_last=True)
+    if crop:
+        loader = torch.utils.data.DataLoader(ShardCropDataset(shards, img_size), batch_size=batch, shuffle=True,
+                                             drop_last=True, collate_fn=collate_crops)
+    else:
+        loader = torch.utils.data.DataLoader(ShardImageDataset(shards, train_transform(img_size)), batch_size=batch,
+                                             shuffle=True, drop_last=True)
     start, n = time.perf_counter(), 0
-    for x, _ in loader:
-        n += x.shape[0]
+    for b in loader:
+        n += len(b["label"] if crop else b[1])
     return n / (time.perf_counter() - start)
 
 
-def ray_data_loader(shards: str, img_size: int, batch: int, num_classes: int) -> float:
+def ray_stream(shards: str, img_size: int, batch: int, num_classes: int, crop: bool = False):
     from pipelines.ray_source import read_shards
-    from training.data import DecodeBatch, normalize
+    from pipelines.schema import ShardSet
+    from training.data import DecodeBatch, canvas_shape
 
-    decode = DecodeBatch(img_size, label_mode="single", num_classes=num_classes, holdout=0.0)
+    canvas = canvas_shape(ShardSet(shards), img_size) if crop else None
+    decode = DecodeBatch(img_size, label_mode="single", num_classes=num_classes, holdout=0.0, canvas=canvas)
     ds = read_shards(shards, columns=["key", "image", "format", "height", "width", "labels"])
-    ds = ds.map_batches(decode, batch_format="numpy", batch_size=batch)
+    return ds.map_batches(decode, batch_format="numpy", batch_size=batch)
+
+
+def ray_data_loader(shards: str, img_size: int, batch: int, num_classes: int, crop: bool = False) -> float:
+    ds = ray_stream(shards, img_size, batch, num_classes, crop)
     rate = 0.0
     # Pass 0 pays Ray Data's start-up (worker spawn, plan): a training run pays it once, so the
     # second pass is the steady state that an epoch sees.
     for _ in range(2):
         start, n = time.perf_counter(), 0
         for b in ds.iter_torch_batches(batch_size=batch, drop_last=True):
-            n += normalize(b["image"]).shape[0]
+            n += b["label"].shape[0]
         rate = n / (time.perf_counter() - start)
     return rate
 
@@ -158,8 +175,14 @@ def per_core(shards: str, img_size: int, batch: int, repeats: int) -> dict:
     import simplejpeg
 
     from pipelines.schema import ShardSet
-    from training.data import DecodeBatch, ShardCropDataset, ShardImageDataset, collate_crops, train_transform
     from training.augment import crop_resize_flip
+    from training.data import (
+        DecodeBatch,
+        ShardCropDataset,
+        ShardImageDataset,
+        collate_crops,
+        train_transform,
+    )
 
     ss = ShardSet(shards)
     order = np.random.default_rng(0).permutation(len(ss))[: len(ss) // batch * batch].tolist()
@@ -400,7 +423,12 @@ def main(argv=None) -> dict:
             result["raw"] = {k: figures[k] for k in ("loader_img_s_per_core", "legacy_img_s_per_core", "bytes_per_image")}
         if args.loaders:
             result.update(end_to_end(shards, folder, args))
-    print(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    if args.loaders:
+        # After the line: an iterator of a finished stream collected after shutdown ends the process.
+        import ray
+
+        ray.shutdown()
     return result
 
 
@@ -408,33 +436,52 @@ def end_to_end(shards: str, folder: Path | None, args) -> dict:
     """The loaders as pre-training runs them (wall clock), then their input wait under real steps."""
     import ray
 
-    from pipelines.ray_source import read_shards
     from pipelines.schema import ShardSet
-    from training.data import DecodeBatch, ShardImageDataset, train_transform
+    from training.augment import device_batch
+    from training.data import (
+        ShardCropDataset,
+        ShardImageDataset,
+        collate_crops,
+        train_transform,
+    )
     from training.ray_utils import init_ray
 
     num_classes = len(ShardSet(shards).label_map)
     init_ray(log_to_driver=False)
     rates = {
         "shards_img_s": shards_loader(shards, args.img_size, args.batch),
+        "shards_crop_img_s": shards_loader(shards, args.img_size, args.batch, crop=True),
         "ray_data_img_s": ray_data_loader(shards, args.img_size, args.batch, num_classes),
+        "ray_data_crop_img_s": ray_data_loader(shards, args.img_size, args.batch, num_classes, crop=True),
     }
     if folder is not None:
         rates["folder_loop_img_s"] = folder_loop(folder, args.img_size, args.batch)
     step = training_step(args.model, args.img_size, num_classes, args.device)
-    ds = ShardImageDataset(shards, train_transform(args.img_size, uint8=True))
-    loader = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, drop_last=True,
-                                         num_workers=args.loader_workers, pin_memory=args.device == "cuda")
-    decode = DecodeBatch(args.img_size, label_mode="single", num_classes=num_classes, holdout=0.0)
-    stream = read_shards(shards, columns=["key", "image", "format", "height", "width", "labels"]).map_batches(
-        decode, batch_format="numpy", batch_size=args.batch)
+
+    def crop_step(b, _):
+        # The device half runs in the step, after the host-to-device copy, as the trainer will run it.
+        step(*device_batch(b, args.img_size, args.device))
+
+    def loader(crop: bool):
+        ds = ShardCropDataset(shards, args.img_size) if crop else ShardImageDataset(
+            shards, train_transform(args.img_size, uint8=True))
+        dl = torch.utils.data.DataLoader(ds, batch_size=args.batch, shuffle=True, drop_last=True,
+                                         num_workers=args.loader_workers, pin_memory=args.device == "cuda",
+                                         **({"collate_fn": collate_crops} if crop else {}))
+        return ((b, None) for b in dl) if crop else dl
+
+    def stream(crop: bool):
+        batches = ray_stream(shards, args.img_size, args.batch, num_classes, crop).iter_torch_batches(
+            batch_size=args.batch, drop_last=True)
+        return ((b, None) if crop else (b["image"], b["label"]) for b in batches)
+
     waits = {
-        "shards_input_wait": input_wait(loader, step, args.wait_steps),
-        "ray_data_input_wait": input_wait(((b["image"], b["label"]) for b in stream.iter_torch_batches(
-            batch_size=args.batch, drop_last=True)), step, args.wait_steps),
+        "shards_input_wait": input_wait(loader(False), step, args.wait_steps),
+        "shards_crop_input_wait": input_wait(loader(True), crop_step, args.wait_steps),
+        "ray_data_input_wait": input_wait(stream(False), step, args.wait_steps),
+        "ray_data_crop_input_wait": input_wait(stream(True), crop_step, args.wait_steps),
     }
     cpus = int(ray.cluster_resources().get("CPU", 1))
-    ray.shutdown()
     return {
         **{k: round(v, 1) for k, v in rates.items()},
         "model": args.model, "device": args.device, "loader_workers": args.loader_workers,

@@ -175,7 +175,7 @@ def dct_denom(min_side: float, size: int) -> int:
 
 def _tap_margin(length: float, size: int) -> int:
     """Pixels beyond a box that PIL's bilinear filter reads when it resizes ``length`` to ``size``."""
-    return int(math.ceil(max(length / size, 1.0) + 0.5))
+    return math.ceil(max(length / size, 1.0) + 0.5)
 
 
 def canvas_shape(shards: ShardSet, size: int, *, min_area: float = 0.05) -> tuple[int, int]:
@@ -228,7 +228,7 @@ def paste_crop(data, fmt: str, h: int, w: int, box: tuple[int, int, int, int], s
     bx0, by0, bx1, by1 = x0 / d, y0 / d, x1 / d, y1 / d
     mx, my = _tap_margin(bx1 - bx0, size), _tap_margin(by1 - by0, size)
     rx0, ry0 = max(0, int(bx0) - mx), max(0, int(by0) - my)
-    rx1, ry1 = min(arr.shape[1], int(math.ceil(bx1)) + mx), min(arr.shape[0], int(math.ceil(by1)) + my)
+    rx1, ry1 = min(arr.shape[1], math.ceil(bx1) + mx), min(arr.shape[0], math.ceil(by1) + my)
     if ry1 - ry0 > slot.shape[0] or rx1 - rx0 > slot.shape[1]:
         raise ValueError(f"crop region {ry1 - ry0}x{rx1 - rx0} does not fit the canvas {slot.shape[0]}x{slot.shape[1]}; "
                          "build the canvas with training.data.canvas_shape for these shards")
