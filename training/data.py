@@ -3,6 +3,11 @@
 Train input (REFERENCE.md, official fine-tuning configs): Inception crop (area 0.05-1) →
 resize → random horizontal flip → ``(x - 127.5) / 127.5``. Eval input: plain resize.
 
+Two ways to run it. Per item on the CPU: :class:`ShardImageDataset` with :func:`train_transform`.
+Split, to feed a GPU: :class:`ShardCropDataset` (or :class:`DecodeBatch` with a canvas) decodes and
+copies each crop's pixels into a uint8 batch, and :func:`training.augment.crop_resize_flip` does the
+resize, flip and value range for the batch on the device. Both draw the same boxes and flips.
+
 The dataset is map-style over a :class:`pipelines.schema.ShardSet`, so a
 ``DistributedSampler`` gives every Ray Train worker a disjoint, reshuffled slice per epoch
 straight from the memory-mapped shards. Rows listed in the shard set's removal list
@@ -10,6 +15,7 @@ straight from the memory-mapped shards. Rows listed in the shard set's removal l
 """
 from __future__ import annotations
 
+import bisect
 import math
 import zlib
 from typing import Callable, Literal, Sequence
@@ -17,6 +23,11 @@ from typing import Callable, Literal, Sequence
 import numpy as np
 import torch
 from PIL import Image
+
+try:
+    import simplejpeg
+except ImportError:  # a declared dependency; without it Pillow decodes every JPEG
+    simplejpeg = None
 
 from common.config import ConfigError
 from pipelines.schema import ShardSet, decode_row_image
@@ -47,21 +58,28 @@ def value_range(arr: np.ndarray) -> np.ndarray:
     return ((arr.astype(np.float32) - 127.5) / 127.5).transpose(2, 0, 1)
 
 
-def inception_crop(
-    img: Image.Image, size: int, rng: np.random.Generator, area: tuple[float, float] = (0.05, 1.0)
-) -> Image.Image:
-    """Random-area, random-aspect crop resized to ``size`` (Szegedy et al.; the ViT train input)."""
-    w, h = img.size
+def inception_box(w: int, h: int, rng: np.random.Generator,
+                  area: tuple[float, float] = (0.05, 1.0)) -> tuple[int, int, int, int]:
+    """``(x0, y0, x1, y1)`` of a random-area, random-aspect crop of a ``w`` x ``h`` image
+    (Szegedy et al.; the ViT train input). Both train paths draw their boxes here, so one
+    generator state gives one box whichever path resizes it."""
     for _ in range(10):
         target = rng.uniform(*area) * w * h
         aspect = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
         cw, ch = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
         if 0 < cw <= w and 0 < ch <= h:
             x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
-            return img.resize((size, size), Image.BILINEAR, box=(x, y, x + cw, y + ch))
+            return x, y, x + cw, y + ch
     side = min(w, h)  # fall back to a central square, as the TF implementation does
     x, y = (w - side) // 2, (h - side) // 2
-    return img.resize((size, size), Image.BILINEAR, box=(x, y, x + side, y + side))
+    return x, y, x + side, y + side
+
+
+def inception_crop(
+    img: Image.Image, size: int, rng: np.random.Generator, area: tuple[float, float] = (0.05, 1.0)
+) -> Image.Image:
+    """Random-area, random-aspect crop resized to ``size`` (Szegedy et al.; the ViT train input)."""
+    return img.resize((size, size), Image.BILINEAR, box=inception_box(*img.size, rng, area))
 
 
 def to_uint8_chw(arr: np.ndarray) -> np.ndarray:
@@ -144,6 +162,187 @@ class ShardImageDataset(torch.utils.data.Dataset):
         return x, (y if isinstance(y, int) else torch.from_numpy(y))
 
 
+#: DCT scales (1/d) the crop loaders decode at: libjpeg-turbo's 3/8 to 7/8 IDCTs have no SIMD and
+#: run slower than a full-scale decode (benchmarks/README.md), so only halvings are worth taking.
+DCT_DENOMS = (8, 4, 2, 1)
+
+
+def dct_denom(min_side: float, size: int) -> int:
+    """The largest ``d`` of :data:`DCT_DENOMS` that keeps ``min_side / d`` at least ``size`` pixels:
+    the crop still reaches the model at full resolution, the decoder does a fraction of the IDCT."""
+    return next(d for d in DCT_DENOMS if min_side >= size * d or d == 1)
+
+
+def _tap_margin(length: float, size: int) -> int:
+    """Pixels beyond a box that PIL's bilinear filter reads when it resizes ``length`` to ``size``."""
+    return math.ceil(max(length / size, 1.0) + 0.5)
+
+
+def canvas_shape(shards: ShardSet, size: int, *, min_area: float = 0.05) -> tuple[int, int]:
+    """(height, width) of a canvas that holds the copied region of any crop of any row.
+
+    A crop's aspect is within 3/4..4/3, so its long side is at most 4/3 of its short side, which
+    the DCT scale keeps under ``2 * size`` for JPEGs; raw rows are copied at full scale.
+    """
+    hc = wc = 1
+    for batch in shards.iter_batches(columns=["height", "width", "format"]):
+        h = batch.column(0).to_numpy().astype(np.int64)
+        w = batch.column(1).to_numpy().astype(np.int64)
+        jpeg = np.asarray(batch.column(2).to_pylist()) == "jpeg"
+        if min_area >= 1.0:
+            d = np.array([dct_denom(m, size) if j else 1 for m, j in zip(np.minimum(h, w), jpeg)])
+            rh, rw = -(-h // d), -(-w // d)
+        else:
+            ch, cw = np.minimum(h, w * 4 // 3 + 2), np.minimum(w, h * 4 // 3 + 2)
+            cap = math.ceil(size * 8 / 3) + 2
+            ch, cw = np.where(jpeg, np.minimum(ch, cap), ch), np.where(jpeg, np.minimum(cw, cap), cw)
+            margin = np.ceil(np.maximum(np.maximum(ch, cw) / size, 1.0) + 0.5).astype(np.int64)
+            rh, rw = np.minimum(h, ch + 2 * margin), np.minimum(w, cw + 2 * margin)
+        if len(h):
+            hc, wc = max(hc, int(rh.max())), max(wc, int(rw.max()))
+    return hc, wc
+
+
+def _decode_at_scale(data, fmt: str, h: int, w: int, d: int) -> tuple[np.ndarray, int]:
+    """A row's pixels decoded at scale 1/d (or 1/1 where the fast decoder refuses), and that d."""
+    if fmt == "jpeg" and simplejpeg is not None:
+        sh, sw = -(-h // d), -(-w // d)
+        try:
+            arr = simplejpeg.decode_jpeg(data, colorspace="RGB", min_height=sh, min_width=sw)
+            if arr.shape[:2] == (sh, sw):
+                return arr, d
+        except (ValueError, RuntimeError):
+            pass  # anything the strict decoder refuses goes through Pillow, as in the ingest
+    return decode_row_image(bytes(data), fmt, h, w), 1
+
+
+def paste_crop(data, fmt: str, h: int, w: int, box: tuple[int, int, int, int], size: int,
+               slot: np.ndarray) -> tuple[tuple[float, float, float, float], tuple[int, int]]:
+    """Decode a row at the DCT scale its box allows and copy the pixels under the box, plus the
+    margin the resize filter reads, into ``slot`` (a canvas, HWC). Returns the box in the slot's
+    pixel coordinates and the copied extent (height, width), as :func:`training.augment.crop_resize_flip`
+    takes them."""
+    x0, y0, x1, y1 = box
+    d = dct_denom(min(x1 - x0, y1 - y0), size) if fmt == "jpeg" else 1
+    arr, d = _decode_at_scale(data, fmt, h, w, d)
+    bx0, by0, bx1, by1 = x0 / d, y0 / d, x1 / d, y1 / d
+    mx, my = _tap_margin(bx1 - bx0, size), _tap_margin(by1 - by0, size)
+    rx0, ry0 = max(0, int(bx0) - mx), max(0, int(by0) - my)
+    rx1, ry1 = min(arr.shape[1], math.ceil(bx1) + mx), min(arr.shape[0], math.ceil(by1) + my)
+    if ry1 - ry0 > slot.shape[0] or rx1 - rx0 > slot.shape[1]:
+        raise ValueError(f"crop region {ry1 - ry0}x{rx1 - rx0} does not fit the canvas {slot.shape[0]}x{slot.shape[1]}; "
+                         "build the canvas with training.data.canvas_shape for these shards")
+    slot[:ry1 - ry0, :rx1 - rx0] = arr[ry0:ry1, rx0:rx1]
+    return (bx0 - rx0, by0 - ry0, bx1 - rx0, by1 - ry0), (ry1 - ry0, rx1 - rx0)
+
+
+def _shared_uint8(shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty uint8 tensor; in a DataLoader worker, in shared memory from the start, so that the
+    hand-off to the trainer process does not copy it again (as ``default_collate`` does)."""
+    if torch.utils.data.get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))
+    return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+class _ShardColumns:
+    """Zero-copy numpy views of one memory-mapped shard's columns, to read a row without a dict."""
+
+    def __init__(self, table):
+        import pyarrow.compute as pc
+
+        self.chunks = []
+        starts = [0]
+        for image, fmt, h, w, labels in zip(*(table.column(c).chunks for c in
+                                              ("image", "format", "height", "width", "labels"))):
+            bufs = image.buffers()
+            offsets = np.frombuffer(bufs[1], np.int32)[image.offset:image.offset + len(image) + 1]
+            self.chunks.append((offsets, np.frombuffer(bufs[2], np.uint8),
+                                pc.equal(fmt, "raw").to_numpy(zero_copy_only=False),
+                                h.to_numpy(), w.to_numpy(), labels.offsets.to_numpy(), labels.values.to_numpy()))
+            starts.append(starts[-1] + len(image))
+        self.starts = starts
+
+    def row(self, local: int):
+        """(image bytes view, format, height, width, label ids) of row ``local``."""
+        c = bisect.bisect_right(self.starts, local) - 1
+        offsets, data, raw, h, w, loff, lval = self.chunks[c]
+        j = local - self.starts[c]
+        return (data[offsets[j]:offsets[j + 1]], "raw" if raw[j] else "jpeg", int(h[j]), int(w[j]),
+                lval[loff[j]:loff[j + 1]])
+
+
+class ShardCropDataset(ShardImageDataset):
+    """Rows of a shard set as crop batches for :func:`training.augment.crop_resize_flip`.
+
+    The CPU half of the train input: per row, the Inception-crop box and the flip are drawn from
+    the same per-item, per-epoch generator as :class:`ShardImageDataset` with
+    :func:`train_transform` draws them (so resuming at a step gives the same boxes), the JPEG is
+    decoded at the DCT scale the box allows, and the pixels under the box are copied into one
+    uint8 canvas per batch. Nothing per pixel beyond decode and copy happens here.
+
+    Fetched a batch at a time (``__getitems__``): build the DataLoader with
+    ``collate_fn=collate_crops``. A batch is a dict of :data:`training.augment.CROP_FIELDS`.
+    ``flip=False`` / ``min_area=1.0`` are the VTAB exclusions, as in :func:`train_transform`;
+    both together are the eval input (a plain resize).
+    """
+
+    def __init__(self, shards: str | ShardSet, size: int, *, flip: bool = True, min_area: float = 0.05,
+                 canvas: tuple[int, int] | None = None, label_mode: LabelMode = "single",
+                 rows: np.ndarray | None = None, seed: int = 0):
+        if not 0.0 < min_area <= 1.0:
+            raise ValueError(f"min_area must be in (0, 1], got {min_area}")
+        super().__init__(shards, None, label_mode=label_mode, rows=rows, seed=seed)
+        self.size, self.flip, self.min_area = size, flip, min_area
+        self.canvas = canvas or canvas_shape(self.shards, size, min_area=min_area)
+        self._retained = [self.shards.retained_rows(i) for i in range(len(self.shards.shards))]
+        self._starts = np.cumsum([0] + [len(r) for r in self._retained]).tolist()
+        self._columns: dict[int, _ShardColumns] = {}
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_columns"] = {}
+        return state
+
+    def _row(self, index: int):
+        shard = bisect.bisect_right(self._starts, index) - 1
+        cols = self._columns.get(shard)
+        if cols is None:
+            cols = self._columns[shard] = _ShardColumns(self.shards.open_shard(shard))
+        return cols.row(int(self._retained[shard][index - self._starts[shard]]))
+
+    def __getitem__(self, i: int) -> dict:
+        return self.__getitems__([i])
+
+    def __getitems__(self, positions: Sequence[int]) -> dict:
+        n = len(positions)
+        image = _shared_uint8((n, *self.canvas, 3))
+        canvas = image.numpy()
+        box, extent, flip = np.empty((n, 4), np.float32), np.empty((n, 2), np.int64), np.zeros(n, bool)
+        labels = []
+        for k, p in enumerate(positions):
+            index = int(self.rows[p])
+            data, fmt, h, w, ids = self._row(index)
+            # Per-item, per-epoch generator, drawn in train_transform's order: box, then flip.
+            rng = np.random.default_rng((self.seed, self.epoch, index))
+            b = inception_box(w, h, rng, (self.min_area, 1.0)) if self.min_area < 1.0 else (0, 0, w, h)
+            flip[k] = self.flip and rng.random() < 0.5
+            box[k], extent[k] = paste_crop(data, fmt, h, w, b, self.size, canvas[k])
+            if self.label_mode == "single" and len(ids) == 1:
+                labels.append(int(ids[0]))
+            else:
+                labels.append(encode_target(ids.tolist(), self.label_mode, self.num_classes,
+                                            row=self.shards[index]["source"]))
+        label = torch.from_numpy(np.stack(labels)) if self.label_mode == "multi" else torch.tensor(labels)
+        return {"image": image, "box": torch.from_numpy(box), "extent": torch.from_numpy(extent),
+                "flip": torch.from_numpy(flip), "label": label}
+
+
+def collate_crops(batch: dict) -> dict:
+    """The DataLoader ``collate_fn`` for :class:`ShardCropDataset`: its batches come collated."""
+    return batch
+
+
 def is_held_out(key: str, fraction: float) -> bool:
     """Whether the row with this key is held out. Decided by the key alone, so the map-style and
     the Ray Data loaders, every worker layout and every re-run agree on the split."""
@@ -166,25 +365,44 @@ class DecodeBatch:
     disaggregated preprocessing). Images leave as uint8 (a quarter of float32's bytes through the
     object store); the trainer applies :func:`normalize`. Augmentation is drawn from fresh
     entropy on each pass, since a streaming pipeline does not know which epoch it is serving.
+
+    With ``canvas`` (from :func:`canvas_shape`) it does only the CPU half, as
+    :class:`ShardCropDataset` does: batches of :data:`training.augment.CROP_FIELDS` for
+    :func:`training.augment.crop_resize_flip` on the device. The canvas is fixed so that Ray Data
+    can re-batch rows from different tasks.
     """
 
     def __init__(self, size: int, *, label_mode: LabelMode, num_classes: int,
-                 holdout: float, train: bool = True):
+                 holdout: float, train: bool = True, canvas: tuple[int, int] | None = None):
         self.transform = train_transform(size, uint8=True) if train else eval_transform(size, uint8=True)
         self.label_mode, self.num_classes, self.holdout, self.train = label_mode, num_classes, holdout, train
+        self.size, self.canvas = size, canvas
 
     def __call__(self, batch: dict) -> dict:
         rng = np.random.default_rng()
-        images, targets = [], []
-        for key, data, fmt, h, w, labels in zip(batch["key"], batch["image"], batch["format"], batch["height"],
-                                                 batch["width"], batch["labels"]):
-            if is_held_out(str(key), self.holdout) == self.train:
-                continue
-            images.append(self.transform(decode_row_image(bytes(data), str(fmt), int(h), int(w)), rng))
-            targets.append(encode_target(labels, self.label_mode, self.num_classes, row=f"row {key}"))
-        if not images:
-            return {"image": np.zeros((0, 3, 1, 1), np.uint8), "label": np.zeros((0,), np.int64)}
-        return {"image": np.stack(images), "label": np.asarray(targets)}
+        keep = [i for i, key in enumerate(batch["key"]) if is_held_out(str(key), self.holdout) != self.train]
+        targets = [encode_target(batch["labels"][i], self.label_mode, self.num_classes, row=f"row {batch['key'][i]}")
+                   for i in keep]
+        label = np.asarray(targets) if targets else np.zeros((0,), np.int64)
+        if self.canvas is not None:
+            return {**self._crops(batch, keep, rng), "label": label}
+        if not keep:
+            return {"image": np.zeros((0, 3, 1, 1), np.uint8), "label": label}
+        images = [self.transform(decode_row_image(bytes(batch["image"][i]), str(batch["format"][i]),
+                                                  int(batch["height"][i]), int(batch["width"][i])), rng)
+                  for i in keep]
+        return {"image": np.stack(images), "label": label}
+
+    def _crops(self, batch: dict, keep: list[int], rng: np.random.Generator) -> dict:
+        n = len(keep)
+        image = np.empty((n, *self.canvas, 3), np.uint8)
+        box, extent, flip = np.empty((n, 4), np.float32), np.empty((n, 2), np.int64), np.zeros(n, bool)
+        for k, i in enumerate(keep):
+            h, w, fmt = int(batch["height"][i]), int(batch["width"][i]), str(batch["format"][i])
+            b = inception_box(w, h, rng) if self.train else (0, 0, w, h)
+            flip[k] = self.train and rng.random() < 0.5
+            box[k], extent[k] = paste_crop(batch["image"][i], fmt, h, w, b, self.size, image[k])
+        return {"image": image, "box": box, "extent": extent, "flip": flip}
 
 
 def split_rows(rows: np.ndarray | int, holdout: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
