@@ -8,7 +8,10 @@ index of ``--index`` test images (random codes under every crop variant, as
 Also timed, in the same run: the signatures alone (``signatures.compute``, the whole-image
 code the ingest stored before issue 15, against ``signatures.corpus_codes``, which adds the
 inner crops), and the item path with ``compute`` in place of ``corpus_codes``. CPU time of
-this process, loops interleaved, best of ``--repeats``. The last line is one JSON object.
+this process, loops interleaved, best of ``--repeats``. Targets (issue 23): the ingest with a
+test set runs at >= 0.95 of its rate without one, and the signatures plus the lookup cost
+<= 5% of the item time without a test set (``dedup_share_of_item``). The last line is one
+JSON object.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/dedup_ingest.py [--n 24 --index 100000]
 """
@@ -114,8 +117,11 @@ def main(argv=None) -> dict:
         "item_ms_whole_image_code_only": round(old_path * 1e3, 3),
         "lookup_ms": round(lookup_s * 1e3, 3), "signature_ms_compute": round(compute_s * 1e3, 3), "signature_ms_corpus_codes": round(corpus_s * 1e3, 3),
         "decoded_size": list(decoded[0].size),
-        "target": "img_s_with_test_set >= 0.9 * img_s_without_test_set",
-        "meets_target": with_set <= without / 0.9,
+        "corpus_codes": sig.CORPUS_CODES,
+        "dedup_share_of_item": round((corpus_s + lookup_s) / without, 4),
+        "target": "img_s_with_test_set >= 0.95 * img_s_without_test_set; "
+                  "signature_ms_corpus_codes + lookup_ms <= 0.05 * item_ms_without_test_set",
+        "meets_target": with_set <= without / 0.95 and corpus_s + lookup_s <= 0.05 * without,
     }
     print(json.dumps(result))
     return result
