@@ -149,7 +149,7 @@ class Proxy(NamedTuple):
 def proxy(img: Image.Image | np.ndarray) -> Proxy:
     """The :class:`Proxy` of a decoded image, or of a :func:`luminance` array."""
     lum = Image.fromarray(np.asarray(img, dtype=np.uint8)) if isinstance(img, np.ndarray) else _luminance_image(img)
-    f = max(1, max(lum.size) // PROXY_SIDE)
+    f = max(1, min(max(lum.size) // PROXY_SIDE, min(lum.size)))  # a thin strip keeps one row
     ox = oy = 0
     if f > 1:
         w, h = lum.width // f * f, lum.height // f * f
