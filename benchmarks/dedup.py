@@ -1,9 +1,11 @@
 """Matching speed: corpus signatures against a test-set index, multi-index hashing vs brute force.
 
-Target (issues 5 and 15): 1M corpus images against an index of 100k test
-images in under 60 s on one core, build included, in both directions: each
-corpus image brings ``signatures.CORPUS_CODES`` codes (the whole image, and its
-inner crops for test images cut from it). Signatures are random 128-bit codes
+1M corpus images against an index of 100k test images on one core, build
+included, in both directions: each corpus image brings
+``signatures.CORPUS_CODES`` codes (the whole image, and its inner crops for test
+images cut from it). Recorded, not a target (issue 23 replaced the 60 s target
+of issues 5 and 15 by the search's share of the ingest's time, measured by
+``benchmarks/dedup_ingest.py``). Signatures are random 128-bit codes
 (real photos' codes cluster more, which fills some buckets more) with planted
 near-duplicates at known distances, half forward (near a test image's code),
 half reverse (an inner code near one of its crop variants); each test image
@@ -108,7 +110,6 @@ def main(argv=None) -> dict:
         "speedup": round(brute_per_query * args.queries / search_s, 1),
         "matches": int(len(qi)), "planted": len(planted_rows), "planted_found": planted_found,
         "agrees_with_brute_force": bool(agree),
-        "target_s": 60, "meets_target": build_s + search_s < 60,
     }
     print(json.dumps(result))
     return result

@@ -287,16 +287,10 @@ def low_texture_report(photos: Sequence[Image.Image], *, threshold: int = DEFAUL
     photo_margins = np.array([sig.texture_margin(im) for im in photos])
     low_margins = np.array([sig.texture_margin(im) for im in low])
 
-    def codes_without_rule(img):
-        lum = sig._luminance_image(img)
-        box = sig.trim_box(lum)
-        lum = lum.crop(box)
-        return np.stack([sig._code(lum)] + sig.inner_codes(lum))
+    codes_without_rule = sig.corpus_codes_any_texture
 
     def variants_without_rule(img):
-        lum = sig.luminance(img)
-        l, t, r, b = sig.trim_box(lum)
-        return np.stack([sig._code(sig._crop(lum[t:b, l:r], f)) for f in sig.CROP_VARIANTS])
+        return sig.variant_codes(img, any_texture=True)[:len(sig.CROP_VARIANTS)]
 
     index = TestSetIndex(threshold=threshold)
     for i, img in enumerate(low):

@@ -11,8 +11,9 @@ What counts as a near-duplicate
 -------------------------------
 A corpus image duplicates a test image when their decoded pixels are identical
 (content hash), or when, for one of its codes ``q`` (``signatures.corpus_codes``:
-the whole image, and two inner crops for test images cut from it: its
-10%-per-side centre trimmed again and its 12%-per-side centre)
+the whole image, and six inner crops for test images cut from it: its
+10%-per-side centre trimmed again, its 12%-per-side centre, and per side a crop
+of 12% off that side and 6% off the others; all cut from one luminance proxy)
 and some crop variant ``v`` of the test image
 (``signatures.CROP_VARIANTS``: 29 crops of 0..10% per side, also taken
 before border trimming where that differs):
@@ -20,7 +21,7 @@ before border trimming where that differs):
 (a) one of the 6 leading 21-bit blocks of ``q`` and ``v`` differs in at most 1
     bit (the *block condition*), and
 (b) ``q`` and ``v`` differ in at most ``threshold`` of 128 bits (default
-    ``index.DEFAULT_THRESHOLD`` = 28) for the whole-image code, 4 fewer
+    ``index.DEFAULT_THRESHOLD`` = 28) for the whole-image code, 7 fewer
     (``index.INNER_THRESHOLD_OFFSET``) for an inner crop.
 
 The search (``TestSetIndex.search``/``match``) is exact for this rule: it finds

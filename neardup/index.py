@@ -69,9 +69,10 @@ INDEX_FORMAT = 1
 # Hamming bits for (b); chosen on the calibration pool (dedup.calibration), checked on held-out photos.
 DEFAULT_THRESHOLD = 28
 # The inner-crop codes (the reverse direction) are matched this many bits
-# tighter: each corpus image brings several of them, and the held-out false
-# pairs of signature version 3 all came from its inner code at 24..28 bits.
-INNER_THRESHOLD_OFFSET = 4
+# tighter: each corpus image brings six of them, and every false pair of the
+# calibration pool under signature version 5 at 22..24 bits came from one;
+# 21 is the loosest with none on the design split (benchmarks/README.md).
+INNER_THRESHOLD_OFFSET = 7
 
 
 class Match(NamedTuple):
@@ -120,29 +121,52 @@ class Quarantined:
 
 
 class _Probe:
-    """CSR bucket tables over each block of the indexed codes."""
+    """CSR bucket tables over the blocks of the indexed codes, all blocks in one table.
+
+    Block ``j``'s bucket for value ``v`` is ``order[offsets[key]:offsets[key + 1]]`` with
+    ``key = j << BLOCK_BITS | v``: one gather probes every block of every query at once
+    (a per-block loop cost a numpy round trip per block, which dominated the ingest's
+    one-record lookups).
+    """
 
     def __init__(self, codes: np.ndarray):
         self.bits, self.m, self.radius = BLOCK_BITS, BLOCKS, BLOCK_RADIUS
-        self.order: list[np.ndarray] = []
-        self.offsets: list[np.ndarray] = []
+        n = len(codes)
+        blocks = _blocks(codes)
+        orders, offsets = [], []
         for j in range(self.m):
-            sub = _substring(codes, j, self.bits)
-            self.order.append(np.argsort(sub, kind="stable").astype(np.int32))
-            counts = np.bincount(sub, minlength=1 << self.bits)
-            self.offsets.append(np.concatenate([[0], np.cumsum(counts)]).astype(np.int32))
+            orders.append(np.argsort(blocks[:, j], kind="stable").astype(np.int32))
+            counts = np.bincount(blocks[:, j], minlength=1 << self.bits)
+            offsets.append(np.cumsum(counts) - counts + j * n)
+        self.order = np.concatenate(orders) if orders else np.zeros(0, dtype=np.int32)
+        self.offsets = np.concatenate(offsets + [[self.m * n]]).astype(np.int64 if self.m * n >= 2 ** 31 else np.int32)
         self.masks = _masks(self.bits, self.radius)
+        self.block_base = np.arange(self.m, dtype=np.int64) << self.bits
 
 
-def _substring(words: np.ndarray, j: int, bits: int) -> np.ndarray:
-    start = j * bits
-    w, shift = divmod(start, 64)
-    if shift + bits <= 64:
-        v = words[:, w] >> np.uint64(64 - bits - shift)
-    else:  # straddles two words
-        low = shift + bits - 64
-        v = (words[:, w] << np.uint64(low)) | (words[:, w + 1] >> np.uint64(64 - low))
-    return (v & np.uint64((1 << bits) - 1)).astype(np.int64)
+# Where each BLOCK_BITS-bit block sits in the WORDS 64-bit words of a code: block j is
+# (word a << left | word b >> right) & mask, word WORDS standing for zero.
+def _block_layout() -> tuple[np.ndarray, ...]:
+    a, b, left, right = [], [], [], []
+    for j in range(sig.CODE_BITS // BLOCK_BITS):
+        w, shift = divmod(j * BLOCK_BITS, 64)
+        if shift + BLOCK_BITS <= 64:
+            a.append(sig.WORDS), b.append(w), left.append(0), right.append(64 - BLOCK_BITS - shift)
+        else:  # straddles two words
+            low = shift + BLOCK_BITS - 64
+            a.append(w), b.append(w + 1), left.append(low), right.append(64 - low)
+    return np.array(a), np.array(b), np.array(left, dtype=np.uint64), np.array(right, dtype=np.uint64)
+
+
+_LAYOUT = _block_layout()
+
+
+def _blocks(words: np.ndarray) -> np.ndarray:
+    """(n, BLOCKS) int64: the leading BLOCK_BITS-bit blocks of (n, WORDS) uint64 codes."""
+    a, b, left, right = _LAYOUT
+    ext = np.concatenate([words, np.zeros((len(words), 1), dtype=np.uint64)], axis=1)
+    v = (ext[:, a] << left) | (ext[:, b] >> right)
+    return (v & np.uint64((1 << BLOCK_BITS) - 1)).astype(np.int64)
 
 
 def _masks(bits: int, radius: int) -> np.ndarray:
@@ -305,41 +329,35 @@ class TestSetIndex:
             self._columns = [np.ascontiguousarray(words[:, w]) for w in range(words.shape[1])]
         w0, *w_cols = self._columns
         q0, *q_cols = [np.ascontiguousarray(q[:, w]) for w in range(q.shape[1])]
-        masks = probe.masks
-        nm = len(masks)
-        found_q, found_e, found_d = [], [], []
-        for j in range(probe.m):
-            # every bucket within the block radius of every query in one gather:
-            # per-mask loops cost a numpy round trip each, which dominated a
-            # one-image lookup (the ingest matches record by record)
-            keys = (_substring(q, j, probe.bits)[:, None] ^ masks[None, :]).ravel()
-            order, offsets = probe.order[j], probe.offsets[j]
-            start = offsets[keys]
-            n = offsets[keys + 1] - start
-            hit = np.nonzero(n)[0]
-            if hit.size == 0:
-                continue
-            n_hit = n[hit]
-            total = int(n_hit.sum())
-            qi = np.repeat(hit // nm, n_hit)
-            within = np.arange(total) - np.repeat(np.cumsum(n_hit) - n_hit, n_hit)
-            ei = order[np.repeat(start[hit], n_hit) + within]
-            # word by word on 1-D arrays: a (n, 2) gather and a row sum cost twice as much
-            d = np.bitwise_count(q0[qi] ^ w0[ei]).astype(np.int64)
-            for q_w, w_w in zip(q_cols, w_cols):
-                d += np.bitwise_count(q_w[qi] ^ w_w[ei])
-            keep = d <= lim[qi]
-            found_q.append(qi[keep])
-            found_e.append(ei[keep])
-            found_d.append(d[keep])
-        if not found_q:
+        # every bucket within the block radius of every block of every query, in one gather
+        per_query = probe.m * len(probe.masks)
+        keys = ((_blocks(q)[:, :, None] ^ probe.masks) + probe.block_base[:, None]).ravel()
+        start = probe.offsets[keys]
+        n = probe.offsets[keys + 1] - start
+        hit = np.flatnonzero(n)
+        if hit.size == 0:
             e = np.zeros(0, dtype=np.int64)
             return e, e.copy(), e.copy()
-        qi = np.concatenate(found_q).astype(np.int64)
-        ei = np.concatenate(found_e).astype(np.int64)
-        d = np.concatenate(found_d)
-        rec = owner[ei].astype(np.int64)
-        # one row per (query, record): the closest variant
+        n_hit = n[hit]
+        total = int(n_hit.sum())
+        qi = np.repeat(hit // per_query, n_hit)
+        within = np.arange(total) - np.repeat(np.cumsum(n_hit) - n_hit, n_hit)
+        ei = probe.order[np.repeat(start[hit], n_hit) + within]
+        # word by word on 1-D arrays (a (n, 2) gather and a row sum cost twice as much),
+        # dropping candidates as soon as their distance passes the limit: most fail on the
+        # first word, which spares the later words' gathers (cache misses in a large index)
+        d = np.bitwise_count(q0[qi] ^ w0[ei]).astype(np.int64)
+        for q_w, w_w in zip(q_cols, w_cols):
+            keep = np.flatnonzero(d <= lim[qi])
+            qi, ei, d = qi[keep], ei[keep], d[keep]
+            d += np.bitwise_count(q_w[qi] ^ w_w[ei])
+        keep = d <= lim[qi]
+        if not keep.any():  # most corpus images
+            e = np.zeros(0, dtype=np.int64)
+            return e, e.copy(), e.copy()
+        qi, d = qi[keep].astype(np.int64), d[keep]
+        rec = owner[ei[keep]].astype(np.int64)
+        # one row per (query, record): the closest variant (a pair found through several blocks too)
         order = np.lexsort((d, rec, qi))
         qi, rec, d = qi[order], rec[order], d[order]
         first = np.ones(len(qi), dtype=bool)
@@ -353,8 +371,7 @@ class TestSetIndex:
         q = queries if queries.dtype == np.uint64 else sig.to_words(queries)
         lim = self._limits(len(q), limits)
         words, owner = self._words, self._owner
-        qb = np.stack([_substring(q, j, BLOCK_BITS) for j in range(BLOCKS)], axis=1)
-        eb = np.stack([_substring(words, j, BLOCK_BITS) for j in range(BLOCKS)], axis=1)
+        qb, eb = _blocks(q), _blocks(words)
         out_q, out_r, out_d = [], [], []
         for i in range(len(q)):
             d = np.bitwise_count(words ^ q[i]).sum(axis=1, dtype=np.int64)
@@ -388,15 +405,10 @@ class TestSetIndex:
         """
         codes = np.asarray(codes, dtype=np.uint8)
         n, k = codes.shape[:2]
-        offset = np.where(np.arange(k) > 0, INNER_THRESHOLD_OFFSET, 0)
+        offset = _code_offsets(k)
         qi, rec, d = (self.brute_force if brute else self.search)(
             codes.reshape(n * k, sig.SIGNATURE_BYTES), limits=np.tile(self.threshold - offset, n))
-        item, code = qi // k, qi % k
-        order = np.lexsort((code, d + offset[code], rec, item))
-        item, rec, d, code = item[order], rec[order], d[order], code[order]
-        first = np.ones(len(item), dtype=bool)
-        first[1:] = (item[1:] != item[:-1]) | (rec[1:] != rec[:-1])
-        return item[first], rec[first], d[first], code[first]
+        return _closest_code(qi // k, rec, d, qi % k, offset)
 
     def match(self, content_hash: str, signature: bytes) -> list[Match]:
         """Every test image that ``(content_hash, signature)`` duplicates, closest first.
@@ -408,8 +420,14 @@ class TestSetIndex:
         for i in self.exact(content_hash):
             out[i] = Match(self.test_set[i], self.key[i], 0, True, "exact", self.source[i])
         if signature and len(self):  # b"": a low-texture corpus image, exact matches only
-            codes = np.frombuffer(b"".join(sig.split_codes(signature)), dtype=np.uint8)
-            _, rec, dist, code = self.search_corpus(codes.reshape(1, -1, sig.SIGNATURE_BYTES))
+            # search_corpus for one item, without its wrappers: the ingest looks up record by record
+            if len(signature) % sig.SIGNATURE_BYTES:
+                sig.split_codes(signature)  # raises, naming the fix
+            k = len(signature) // sig.SIGNATURE_BYTES
+            q = np.frombuffer(signature, dtype=">u8").reshape(k, sig.WORDS).astype(np.uint64)
+            offset = _code_offsets(k)
+            qi, rec, dist = self._search_chunk(self._ensure(), q, 0, self.threshold - offset)
+            _, rec, dist, code = _closest_code(np.zeros_like(qi), rec, dist, qi, offset)
             for i, d, c in zip(rec.tolist(), dist.tolist(), code.tolist()):
                 if i not in out:
                     out[i] = Match(self.test_set[i], self.key[i], d, False, REVERSE if c else FORWARD, self.source[i])
@@ -487,6 +505,22 @@ class TestSetIndex:
             index._saved[name] = index.versions[name]
         index.quarantine = [Quarantined(**q) for q in manifest.get("quarantine", [])]
         return index
+
+
+def _code_offsets(k: int) -> np.ndarray:
+    """What each of an item's ``k`` corpus codes adds to its distance: 0 for the whole image, the inner offset after."""
+    return np.where(np.arange(k) > 0, INNER_THRESHOLD_OFFSET, 0)
+
+
+def _closest_code(item: np.ndarray, rec: np.ndarray, d: np.ndarray, code: np.ndarray, offset: np.ndarray):
+    """One row per (item, record): the code that passes the distance condition with the most room."""
+    if not len(item):
+        return item, rec, d, code
+    order = np.lexsort((code, d + offset[code], rec, item))
+    item, rec, d, code = item[order], rec[order], d[order], code[order]
+    first = np.ones(len(item), dtype=bool)
+    first[1:] = (item[1:] != item[:-1]) | (rec[1:] != rec[:-1])
+    return item[first], rec[first], d[first], code[first]
 
 
 def _safe(name: str) -> str:

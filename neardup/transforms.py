@@ -103,12 +103,22 @@ TRANSFORMS: dict[str, Transform] = {
 
 # Transforms that draw from their seed: the calibration samples these several
 # times per image, so one unlucky draw does not decide their recall.
+def _one_side(rng: random.Random) -> tuple[float, ...]:
+    box = [0.02] * 4
+    box[rng.randrange(4)] = 0.1
+    return tuple(box)
+
+
 def _reverse(left: float | None = None, top: float = 0, right: float = 0, bottom: float = 0,
-             quality: int | None = None) -> Transform:
-    """Cut a test image from a corpus photo: crop (random 2..10% per side when ``left`` is None),
-    long side to 256 px, JPEG at ``quality`` (random 30..90 when None)."""
+             quality: int | None = None, *, draw: Callable[[random.Random], tuple[float, ...]] | None = None
+             ) -> Transform:
+    """Cut a test image from a corpus photo: crop (``draw(rng)`` when given, else random 2..10% per
+    side when ``left`` is None), long side to 256 px, JPEG at ``quality`` (random 30..90 when None)."""
     def f(img: Image.Image, rng: random.Random) -> Image.Image:
-        box = (left, top, right, bottom) if left is not None else tuple(rng.uniform(0.02, 0.1) for _ in range(4))
+        if draw is not None:
+            box = draw(rng)
+        else:
+            box = (left, top, right, bottom) if left is not None else tuple(rng.uniform(0.02, 0.1) for _ in range(4))
         img = _crop(*box)(img, rng)
         scale = 256 / max(img.size)
         img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.LANCZOS)
@@ -120,12 +130,19 @@ REVERSE: dict[str, Transform] = {
     "reverse_crop_2_all_q75": _reverse(0.02, 0.02, 0.02, 0.02, 75),
     "reverse_crop_5_all_q50": _reverse(0.05, 0.05, 0.05, 0.05, 50),
     "reverse_crop_10_all_q30": _reverse(0.1, 0.1, 0.1, 0.1, 30),
+    # 10% from one side and 2% from the others, once per side (issue 23: a code aimed
+    # at the left side alone would pass a left-only calibration)
     "reverse_crop_10_left_q90": _reverse(0.1, 0.02, 0.02, 0.02, 90),
+    "reverse_crop_10_right_q90": _reverse(0.02, 0.02, 0.1, 0.02, 90),
+    "reverse_crop_10_top_q90": _reverse(0.02, 0.1, 0.02, 0.02, 90),
+    "reverse_crop_10_bottom_q90": _reverse(0.02, 0.02, 0.02, 0.1, 90),
     "reverse_crop_random": _reverse(),
+    "reverse_crop_10_side_random": _reverse(draw=_one_side),  # the side and the quality drawn
 }
 TRANSFORMS.update(REVERSE)
 REVERSE_TRANSFORMS = frozenset(REVERSE)
-RANDOM_TRANSFORMS = frozenset({"crop_random", "border_5_color", "reverse_crop_random"})
+RANDOM_TRANSFORMS = frozenset({"crop_random", "border_5_color", "reverse_crop_random",
+                               "reverse_crop_10_side_random"})
 
 
 def apply(name: str, img: Image.Image, seed: int = 0) -> Image.Image:

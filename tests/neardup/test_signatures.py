@@ -30,7 +30,7 @@ def test_signature_bits_are_pinned():
     from common.photos import photo
 
     img = photo("astronaut.png")
-    assert sig.SIGNATURE_VERSION == 4
+    assert sig.SIGNATURE_VERSION == 5
     assert sig.compute(img).hex() == "c1281badf2b86df8613a2769a4ea66e2"
     assert sig.content_hash(img) == "62eda70fa36c2fe372d20ba7db5fb7f3cb54f960df12e2332153325531b7c1bf"
 
