@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from common.config import ConfigError
+from common.fs import SKIP_SHARD_VERIFY_ENV, shard_verify_default
 from common.jobenv import RUNTIME_ENV_HINT, inside_copy
 from common.text import utf8_text
 
@@ -51,6 +52,7 @@ TAG_CONFIG_HASH = "vitscale.config_hash"
 TAG_INPUT_MANIFEST = "vitscale.input_manifest_sha256"
 TAG_OUTPUT_MANIFEST = "vitscale.output_manifest_sha256"
 TAG_DEDUP_STATE = "vitscale.dedup_state"
+TAG_SHARD_VERIFY = "vitscale.shard_verify"  # "sha256", or "skipped (VITSCALE_SKIP_SHARD_VERIFY)"
 TAG_LINEAGE = "vitscale.lineage."  # + prepare | dedup | pretrain | finetune
 TAG_DEMO_RUN = "vitscale.demo_run_id"
 TAG_PARENT_RUN = "vitscale.parent_run_id"
@@ -318,6 +320,8 @@ def run_tags(config: Mapping[str, Any] | None = None, *, data: list[Mapping[str,
     tags = {TAG_GIT_COMMIT: git_commit()}
     if config is not None:
         tags[TAG_CONFIG_HASH] = config_hash(config)
+    if data:
+        tags[TAG_SHARD_VERIFY] = "sha256" if shard_verify_default() else f"skipped ({SKIP_SHARD_VERIFY_ENV})"
     if main:
         tags[TAG_INPUT_MANIFEST] = join_ids([r["manifest_sha256"] for r in main])
         states = list(dict.fromkeys(r.get("dedup_state") or "none" for r in main))
