@@ -694,7 +694,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from common.jobenv import durable_path
     from pipelines.schema import MANIFEST, ShardSet, file_sha256
     from training.data import holdout_mask, shard_keys
-    from training.ray_utils import ProgressBoard, init_ray
+    from training.ray_utils import ProgressBoard, check_resume_snapshot, init_ray
 
     data = Path(cfg.data).expanduser()
     if not (data / MANIFEST).is_file():
@@ -712,6 +712,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     steps_per_epoch, total_steps = plan_steps(cfg, train_rows, cfg.num_workers)
     cfg = dataclasses.replace(cfg, output=str(output))
     storage_path, storage_fs = _storage(cfg, output)
+    check_resume_snapshot(storage_path, cfg.run_name, storage_fs)
     output = make_output_dir(output)
     init_ray(cfg.ray_address)
 
