@@ -688,6 +688,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from training.loopback_torch import LoopbackTorchConfig
 
     from common import tracking
     from common.fs import atomic_open, atomic_write, make_output_dir
@@ -747,6 +748,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 "progress": board,
             },
             datasets=datasets,
+            torch_config=LoopbackTorchConfig(),
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                          resources_per_worker=resources),
             run_config=RunConfig(

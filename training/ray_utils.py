@@ -55,8 +55,10 @@ def _loopback_node() -> None:
     this start spawns are given the node address, so they follow. A single-node
     start never needs another machine to reach it.
 
-    Not covered: with several Ray Train workers, torch's rendezvous store on rank 0
-    listens on every interface (torch 2.13 has no bind address for it).
+    With several Ray Train workers, torch's rendezvous store on rank 0 would listen on every
+    interface (torch 2.13 has no bind address for it): pre-training passes
+    :class:`training.loopback_torch.LoopbackTorchConfig`, which uses a FileStore instead on
+    this node.
     """
     from ray._private import ray_constants
 

@@ -74,3 +74,49 @@ def test_the_check_reads_a_snapshot_on_a_storage_filesystem(tmp_path):
     _snapshot(tmp_path / "ray" / "run1", ["checkpoint_a"], latest="/elsewhere")
     with pytest.raises(ConfigError, match="'/elsewhere'"):
         check_resume_snapshot(str(tmp_path / "ray"), "run1", pyarrow.fs.LocalFileSystem())
+
+
+# -- torch's rendezvous on one machine ----------------------------------------------------------
+
+def test_two_torch_workers_on_one_machine_listen_on_loopback_only(ray_session, tcp_listeners, loopback_addresses,
+                                                                  tmp_path):
+    import threading
+
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from training.loopback_torch import LoopbackTorchConfig
+
+    if tcp_listeners is None:
+        pytest.skip("reads listening sockets from /proc (Linux)")
+
+    def loop():
+        import time
+
+        import torch
+        import torch.distributed as dist
+
+        t = torch.ones(1) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        assert dist.get_world_size() == 2 and t.item() == 3.0
+        time.sleep(4)  # the group stays up while the driver looks at its sockets
+        dist.barrier()
+
+    seen: set = set()
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.update(tcp_listeners())
+            done.wait(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        TorchTrainer(loop, torch_config=LoopbackTorchConfig(),
+                     scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+                     run_config=RunConfig(name="loopback", storage_path=str(tmp_path / "ray"))).fit()
+    finally:
+        done.set()
+        watcher.join()
+    assert {addr for addr, _ in seen} <= loopback_addresses, sorted(seen)
