@@ -371,7 +371,8 @@ def expand(unit: Unit, *, max_bytes: int | None = None,
     elif unit.kind == "files":
         for uri, labels in zip(unit.uris, unit.labels):
             # A picklable reader: the bytes are read where the item is processed, one file at a time.
-            yield SourceItem(text_uri(uri), _text_labels(labels), reader=functools.partial(_read_url, uri, max_bytes, allowed_roots))
+            yield SourceItem(text_uri(uri), _text_labels(labels),
+                             reader=functools.partial(_read_url, uri, max_bytes, allowed_roots))
     elif unit.kind == "tar":
         yield from _expand_tar(unit.uris[0], unit.labels[0], max_bytes, allowed_roots)
     elif unit.kind == "shard":
