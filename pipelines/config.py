@@ -6,6 +6,7 @@ import os
 from typing import Literal
 
 from common.config import check, parse_named
+from common.fs import normalize_root
 
 from pipelines.decode import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_MEGAPIXELS
 
@@ -23,6 +24,12 @@ RUNNERS = ("DirectRunner", "direct", "dask", "DataflowRunner", "FlinkRunner", "S
 
 def _default_workers() -> int:
     return max(1, os.cpu_count() or 1)
+
+
+# Sane ranges: far beyond any real image or shard, far below where byte counts overflow.
+MAX_MEGAPIXELS_LIMIT = 100_000.0
+MAX_FILE_MB_LIMIT = 1_000_000.0  # 1 TB
+MIN_SHARD_MB, MAX_SHARD_MB = 0.001, 1_000_000.0
 
 
 @dataclasses.dataclass
@@ -67,6 +74,13 @@ class PrepareConfig:
         default=32, metadata={"help": "quarantine images whose shorter side is below this many pixels"}
     )
     shard_mb: float = dataclasses.field(default=256.0, metadata={"help": "target shard size in MB"})
+    allowed_roots: list[str] = dataclasses.field(
+        default_factory=list,
+        metadata={"help": "read corpus items only under these folders or URL prefixes (repeat for several): manifest "
+                          "rows, symlinks and archives elsewhere are quarantined as outside_allowed_roots. Without it a "
+                          "manifest can name any file this job can read; set it when ingesting manifests you did "
+                          "not write"},
+    )
     label_map: str | None = dataclasses.field(
         default=None,
         metadata={"help": "JSON file of label name -> id (or a list of names, id = position); items with other "
@@ -105,10 +119,15 @@ class PrepareConfig:
         )
         check(1 <= self.quality <= 100, "quality", f"JPEG quality must be in 1..100, got {self.quality}")
         check(self.workers >= 1, "workers", f"must be at least 1, got {self.workers}")
-        check(self.max_megapixels > 0, "max_megapixels", f"must be positive, got {self.max_megapixels}")
-        check(self.max_file_mb > 0, "max_file_mb", f"must be positive, got {self.max_file_mb}")
+        # Upper and lower bounds, not only signs: max_file_mb=1e308 and shard_mb=1e-320 pass "> 0"
+        # and overflow to inf in byte counts, after the old manifest is gone.
+        check(0 < self.max_megapixels <= MAX_MEGAPIXELS_LIMIT, "max_megapixels",
+              f"must be in (0, {MAX_MEGAPIXELS_LIMIT:g}], got {self.max_megapixels}")
+        check(0 < self.max_file_mb <= MAX_FILE_MB_LIMIT, "max_file_mb",
+              f"must be in (0, {MAX_FILE_MB_LIMIT:g}] MB, got {self.max_file_mb}")
         check(self.min_short_side >= 0, "min_short_side", f"must be >= 0, got {self.min_short_side}")
-        check(self.shard_mb > 0, "shard_mb", f"must be positive, got {self.shard_mb}")
+        check(MIN_SHARD_MB <= self.shard_mb <= MAX_SHARD_MB, "shard_mb",
+              f"must be in [{MIN_SHARD_MB:g}, {MAX_SHARD_MB:g}] MB, got {self.shard_mb}")
         self.test_sets()
         check(self.runner in RUNNERS, "runner",
               f"{self.runner!r} is not a runner prepare knows; use one of {', '.join(RUNNERS)}")
@@ -118,8 +137,15 @@ class PrepareConfig:
         check(not (self.runner == "dask" and self.isolate_decoder), "isolate_decoder",
               "is not supported with --runner dask: it needs Beam's dead-letter output, which Beam's DaskRunner "
               "routes wrongly (pipelines/dask_runner.py); leave it off or use the DirectRunner")
+        for root in self.allowed_roots:
+            check(isinstance(root, str) and bool(root.strip()) and not root.startswith("-"), "allowed_roots",
+                  f"{root!r}: expected a folder or URL prefix")
         for opt in self.beam_options:
             check(opt.startswith("--"), "beam_options", f"{opt!r}: expected --name=value")
+
+    def roots(self) -> tuple[str, ...] | None:
+        """``allowed_roots`` normalised for :func:`common.fs.within_roots`, or None (no restriction)."""
+        return tuple(normalize_root(r) for r in self.allowed_roots) if self.allowed_roots else None
 
     def test_sets(self) -> dict[str, str]:
         """``--test-set`` as an ordered mapping name -> source."""
