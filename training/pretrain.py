@@ -4,15 +4,14 @@ The paper pre-trains with Adam (β1=0.9, β2=0.999), weight decay 0.1, batch 409
 warm-up then linear decay, global-norm clipping at 1, and dropout 0.1 (Appendix B.1). Those
 are the defaults here; ``configs/`` holds worked recipes.
 
-One ``TorchTrainer`` runs :func:`train_loop_per_worker` on ``num_workers`` workers (gloo on CPU,
-NCCL with ``use_gpu``), data-parallel with DDP or fully sharded with FSDP2. ``batch_size`` is the
-global optimiser batch; each worker accumulates ``batch_size / (num_workers * microbatch)``
-micro-batches per step. Rank 0 logs step metrics into the MLflow run that the driver opened
-(Ray Train V2 rejects ``MLflowLoggerCallback``). Every ``checkpoint_every`` steps all workers
-report and rank 0 attaches a checkpoint holding the model, the optimiser, the step, the data
-position and the RNG states, so a worker group restarted after a failure (``max_failures``), or
-the same ``run_name`` and ``output`` submitted again, continues without replaying or skipping a
-batch.
+One ``TorchTrainer`` runs :func:`train_loop_per_worker`, a :class:`training.trainer.Trainer`, on
+``num_workers`` workers (gloo on CPU, NCCL with ``use_gpu``), data-parallel with DDP or fully
+sharded with FSDP2. ``batch_size`` is the global optimiser batch; each worker accumulates
+``batch_size / (num_workers * microbatch)`` micro-batches per step. Rank 0 logs into the MLflow
+run that the driver opened (:mod:`training.metrics`). The step checkpoints of
+:mod:`training.checkpointer` let a worker group restarted after a failure (``max_failures``), or
+the same ``run_name`` and ``output`` submitted again, continue without replaying or skipping a
+batch. This module holds the config and the driver.
 """
 from __future__ import annotations
 
