@@ -71,6 +71,12 @@ class MetricsSink:
         self.since_log.add(images, loss)
         self.since_report.add(images, loss)
 
+    def record_wait(self, seconds: float) -> None:
+        self.since_log.wait += seconds
+
+    def record_correct(self, correct: Any) -> None:
+        self.since_report.correct = self.since_report.correct + correct
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         if self.logs:
             tracking.log_metrics_to(self.run_id, metrics, step=step, uri=self.uri)
@@ -111,3 +117,7 @@ class MetricsSink:
         if self.posts:
             self.board.post.remote({"kind": "report", "total": self.total_steps, **metrics})
         return metrics
+
+    def saved(self) -> None:
+        # The next report's window opens after the save, so that its throughput leaves the save out.
+        self.since_report.reset()

@@ -43,6 +43,7 @@ class Trainer:
         self.step = self.start_step = 0
 
     def build(self) -> Trainer:
+        """Data, model, optimiser, checkpointer (restoring the latest checkpoint) and metrics sink."""
         cfg = self.cfg
         torch.set_num_threads(max(1, cfg.cpus_per_worker))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
@@ -143,8 +144,7 @@ class Trainer:
                 held = self.evaluate_held_out(log=not due)
                 if due:
                     self.save(self.metrics.report(self.step, self.position.epoch, held))
-                    # After the save, so that its time does not count against the next report's throughput.
-                    self.metrics.since_report.reset()
+                    self.metrics.saved()
             del batches  # ends the epoch's loader processes before the next epoch starts its own
         if self.step == self.start_step:  # a finished run submitted again: hand the driver its checkpoint
             epoch, offset = self.position.epoch, self.position.offset
@@ -166,23 +166,22 @@ class Trainer:
         for _ in range(self.cfg.accumulation):
             t = time.perf_counter()
             batch = next(batches)
-            self.metrics.since_log.wait += time.perf_counter() - t
+            self.metrics.record_wait(time.perf_counter() - t)
             yield batch
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
         # uint8 batches (Ray Data) cross to the device at a quarter of the bytes, then normalise there.
         x, y = normalize(x.to(self.device, non_blocking=True)), y.to(self.device, non_blocking=True)
-        window = self.metrics.since_report
         with autocast(self.device, self.cfg.bf16):
             if self.mpp:
                 # Appendix B.1.2: loss only on the corrupted patches; "accuracy" is per patch.
                 logits, targets, corrupted = self.trainable(x)
                 logits, targets = logits[corrupted].float(), targets[corrupted]
-                window.correct = window.correct + (logits.argmax(1) == targets).float().mean().detach() * x.shape[0]
+                self.metrics.record_correct((logits.argmax(1) == targets).float().mean().detach() * x.shape[0])
                 return F.cross_entropy(logits, targets)
             loss_sum, correct = classification_loss(self.trainable(x), y)
-        window.correct = window.correct + correct.detach()
+        self.metrics.record_correct(correct.detach())
         return loss_sum / x.shape[0]
 
     def score_fewshot(self) -> None:
