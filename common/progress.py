@@ -463,3 +463,56 @@ class Ticker:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+# -- pre-training ------------------------------------------------------------------------------
+
+class StepProgress:
+    """The driver's console lines from what rank 0 posts to a :class:`~training.ray_utils.ProgressBoard`.
+
+    A status line per log interval (step out of total, the interval's mean loss, images per
+    second over all workers, ETA at the pace since the first interval this run saw) and a
+    permanent line per report (epoch end or checkpoint): what Ray Train's per-rank
+    ``TrainingReport`` lines said, once.
+    """
+
+    def __init__(self, line: ProgressLine, board) -> None:
+        self.line, self.board = line, board
+        self._anchor: tuple[float, int] | None = None
+        self._reported = -1  # the step of the last report shown
+
+    def tick(self) -> None:
+        import ray
+
+        latest = None  # of the step rows since the last tick, only the newest is worth a line
+        for row in ray.get(self.board.take.remote(), timeout=30):
+            if row["kind"] == "step":
+                latest = row
+            else:
+                self.show(row)
+        if latest is not None and latest["step"] > self._reported:
+            self.show(latest)
+
+    def show(self, row: dict) -> None:
+        if row["kind"] == "step":
+            step, end = row["step"], row["end"]
+            if self._anchor is None:
+                self._anchor = (row["time"], step)
+            t0, s0 = self._anchor
+            self.line.update(f"step {step}/{row['total']} ({100 * step // max(1, row['total'])}%), "
+                             f"loss {row['loss']:.4f}, {row['images_per_second']:.1f} img/s"
+                             + eta_text(step - s0, end - s0, row["time"] - t0))
+        else:
+            self._reported = row["step"]
+            held = (f", held-out loss {row['holdout_loss']:.4f} accuracy {row['holdout_accuracy']:.3f}"
+                    if "holdout_accuracy" in row else "")
+            self.line.above(f"epoch {row['epoch']} to step {row['step']}/{row['total']}: train loss "
+                            f"{row['train_loss']:.4f} accuracy {row['train_accuracy']:.3f}{held}; "
+                            f"{row['images_per_second']:.1f} img/s, checkpoint saved")
+
+    def finish(self) -> None:
+        try:
+            self.tick()
+        except Exception:  # noqa: BLE001 - the run's own error, if any, is the one to show
+            pass
+        self.line.close()

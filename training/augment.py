@@ -55,7 +55,7 @@ def crop_resize_flip(image: torch.Tensor, box: torch.Tensor, extent: torch.Tenso
     wx = torch.where(flip.to(dev).bool()[:, None, None], wx.flip(1), wx)
     rows = torch.bmm(wy, image.reshape(b, h, w * 3).float()).view(b, size, w, 3)
     out = torch.einsum("bjx,bixc->bcij", wx, rows)
-    # The paper's value range (REFERENCE.md): (x - 127.5) / 127.5. The weights are convex, so the
+    # The official code's value range: (x - 127.5) / 127.5. The weights are convex, so the
     # clamp only removes float rounding above 255.
     return out.sub_(127.5).div_(127.5).clamp_(-1.0, 1.0).contiguous()
 

@@ -1,6 +1,6 @@
 """From Arrow shards to torch batches: the paper's input pipeline for training and evaluation.
 
-Train input (REFERENCE.md, official fine-tuning configs): Inception crop (area 0.05-1) →
+Train input (the official ViT code's fine-tuning configs): Inception crop (area 0.05-1) →
 resize → random horizontal flip → ``(x - 127.5) / 127.5``. Eval input: plain resize.
 
 Two ways to run it. Per item on the CPU: :class:`ShardImageDataset` with :func:`train_transform`.

@@ -260,7 +260,7 @@ def test_two_workers_one_per_node(cluster, corpus, tmp_path):
 def test_killed_worker_restarts_and_resubmission_continues(cluster, corpus, tmp_path):
     from pipelines.schema import ShardSet
     from training.data import holdout_mask, shard_keys
-    from training.pretrain import epoch_rows
+    from training.trainer import epoch_rows
 
     out_dir, home = tmp_path / "kill", tmp_path / "home"
     args = ["--data", str(corpus), "--output", str(out_dir), "--run-name", "kill", *TINY, "--batch-size", "8",

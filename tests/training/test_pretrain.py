@@ -89,9 +89,11 @@ def test_holdout_split_is_pinned_nested_and_near_its_fraction():
 
 
 def test_resuming_under_a_different_recipe_is_refused():
-    from training.pretrain import check_resumable
+    from common.config import free_on_resume
+    from training.checkpointer import check_resumable
 
+    free = free_on_resume(PretrainConfig)
     saved = {"lr": 0.001, "epochs": 1, "holdout": 0.02, "run_name": "r"}
-    check_resumable(saved, {**saved, "epochs": 5})  # more epochs: fine
+    check_resumable(saved, {**saved, "epochs": 5}, free)  # more epochs: fine
     with pytest.raises(ConfigError, match="holdout: checkpoint 0.02, now 0.1"):
-        check_resumable(saved, {**saved, "holdout": 0.1})
+        check_resumable(saved, {**saved, "holdout": 0.1}, free)

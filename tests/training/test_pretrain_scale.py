@@ -12,7 +12,9 @@ import torch
 
 import vitcore
 from common import tracking
-from training.pretrain import TRAIN_STATE, PretrainConfig, epoch_rows, run_pretrain
+from training.checkpointer import TRAIN_STATE
+from training.pretrain import PretrainConfig, run_pretrain
+from training.trainer import epoch_rows
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = dict(variant="Ti/8", depth=1, img_size=32, num_workers=1, warmup_steps=2, holdout=0.1, log_every=2)

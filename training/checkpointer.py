@@ -1,0 +1,167 @@
+"""The pre-training checkpoint: what it holds, when one is due, and whether a run may continue from it.
+
+A checkpoint folder holds :data:`TRAIN_STATE` (model, optimiser, step, data position, every
+rank's RNG states and the config, in :data:`STATE_FORMAT`) and ``vitcore.checkpoint.MODEL_FILE``, the plain
+vitcore model. With the RNG states and the data position restored, a worker group restarted
+after a failure, or the same run submitted again, continues without replaying or skipping a batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from common.config import ConfigError, free_on_resume
+
+TRAIN_STATE = "train_state.pt"
+STATE_FORMAT = "vitscale-pretrain/2"
+
+
+def check_resumable(saved: dict, current: dict, free: Iterable[str]) -> None:
+    """Refuse to continue a checkpoint under a different recipe, which would silently mix two runs;
+    ``free`` names the fields a resume may change (:func:`common.config.free_on_resume`)."""
+    free = frozenset(free)
+    changed = sorted(k for k in set(saved) | set(current) if k not in free and saved.get(k) != current.get(k))
+    if changed:
+        diffs = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in changed)
+        raise ConfigError(
+            f"run_name {current.get('run_name')!r}: cannot resume a run trained with a different config ({diffs}); "
+            "use a new --run-name or --output to start fresh"
+        )
+
+
+def gather(obj: Any) -> list:
+    """``obj`` from every rank, in rank order; ``[obj]`` outside a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+@dataclasses.dataclass
+class DataPosition:
+    """Where this rank stands in the data: the epoch, the steps done in it, and the count, sum and
+    sum of squares of the row ids trained on in it, which a resume that replayed or skipped a
+    batch would change."""
+
+    steps_per_epoch: int
+    epoch: int = 0
+    offset: int = 0
+    rows_seen: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(3, dtype=np.float64))
+
+    @property
+    def epoch_done(self) -> bool:
+        return self.offset >= self.steps_per_epoch
+
+    def next_epoch(self) -> None:
+        self.epoch, self.offset, self.rows_seen = self.epoch + 1, 0, np.zeros(3, dtype=np.float64)
+
+    def advance(self, rows: np.ndarray | None) -> None:
+        """One step done, on ``rows`` (None where the stream cannot name them)."""
+        if rows is not None:
+            self.rows_seen += (len(rows), rows.sum(), (rows * rows).sum())
+        self.offset += 1
+
+    def state_dict(self, seen: list[float]) -> dict:
+        """The position to resume from, with ``seen`` the rows summed over all ranks; a finished
+        epoch is saved as the start of the next."""
+        if self.offset == self.steps_per_epoch:
+            return {"epoch": self.epoch + 1, "offset": 0, "rows_seen": [0.0, 0.0, 0.0]}
+        return {"epoch": self.epoch, "offset": self.offset, "rows_seen": seen}
+
+    def load_state_dict(self, state: dict, rank: int) -> None:
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
+        # The saved rows are the sum over ranks: one rank holds them, so the sum stays right.
+        if rank == 0:
+            self.rows_seen = np.asarray(state["rows_seen"], dtype=np.float64)
+
+
+def rng_states(device) -> dict:
+    """Every rank's torch RNG states (a collective), so that each rank's dropout and MPP
+    corruption streams continue where they were."""
+    import torch
+
+    rng = {"cpu": gather(torch.get_rng_state())}
+    if device.type == "cuda":
+        rng["cuda"] = [t.cpu() for t in gather(torch.cuda.get_rng_state(device))]
+    return rng
+
+
+def set_rng_states(rng: dict, rank: int, world: int, device) -> None:
+    import torch
+
+    # States saved by a different number of ranks do not map onto these; the seeds stand.
+    if len(rng.get("cpu", [])) == world:
+        torch.set_rng_state(rng["cpu"][rank])
+    if device.type == "cuda" and len(rng.get("cuda", [])) == world:
+        torch.cuda.set_rng_state(rng["cuda"][rank], device)
+
+
+class Checkpointer:
+    """Decides when a step checkpoint is due, writes it with Ray Train's report, and restores the
+    latest one.
+
+    A save is due every ``checkpoint_every`` steps (by default at the end of every epoch) and
+    always at the last step of the submission: the end of the schedule, or ``stop_after``.
+    """
+
+    def __init__(self, cfg: Any, *, steps_per_epoch: int, total_steps: int, rank: int = 0, world: int = 1) -> None:
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.every = cfg.checkpoint_every
+        self.steps_per_epoch = steps_per_epoch
+        self.last_step = min(total_steps, cfg.stop_after or total_steps)
+
+    def due(self, step: int, offset: int) -> bool:
+        """Whether the step just done (``offset`` steps into its epoch) ends with a checkpoint."""
+        if step == self.last_step:
+            return True
+        return step % self.every == 0 if self.every else offset == self.steps_per_epoch
+
+    def load(self, trainer) -> None:
+        """Restore ``trainer`` from Ray Train's latest checkpoint of this run, if there is one."""
+        import ray.train
+        import torch
+
+        ckpt = ray.train.get_checkpoint()
+        if not ckpt:
+            return
+        with ckpt.as_directory() as d:
+            # Tensors and plain types only: nothing from storage is unpickled as code.
+            state = torch.load(Path(d) / TRAIN_STATE, map_location="cpu", weights_only=True)
+        if state.get("format") != STATE_FORMAT:
+            raise ConfigError(f"run_name {self.cfg.run_name!r}: the checkpoint's state is {state.get('format')!r}, "
+                              f"not {STATE_FORMAT!r}; use a new --run-name or --output to start fresh")
+        check_resumable(state["cfg"], dataclasses.asdict(self.cfg), free_on_resume(self.cfg))
+        trainer.load_state_dict(state)
+        trainer.position.load_state_dict(state, self.rank)
+        set_rng_states(state.get("rng", {}), self.rank, self.world, trainer.device)
+
+    def save(self, trainer, metrics: dict) -> None:
+        """Report ``metrics`` to Ray Train with a checkpoint. Every rank calls it (gathering the
+        state is a collective); rank 0 writes the folder."""
+        import ray.train
+        import torch
+
+        import vitcore
+        from vitcore.checkpoint import MODEL_FILE
+        from training.loop import all_reduce_sum
+
+        state = trainer.state_dict()
+        rng = rng_states(trainer.device)
+        position = trainer.position
+        seen = all_reduce_sum(position.rows_seen.tolist(), trainer.device)
+        with tempfile.TemporaryDirectory() as d:
+            checkpoint = None
+            if self.rank == 0:
+                torch.save({"format": STATE_FORMAT, **state, **position.state_dict(seen), "rng": rng,
+                            "cfg": dataclasses.asdict(self.cfg), "world": self.world}, Path(d) / TRAIN_STATE)
+                vitcore.save_checkpoint(trainer.plain_model(state["model"]), Path(d) / MODEL_FILE)
+                checkpoint = ray.train.Checkpoint.from_directory(d)
+            ray.train.report({**metrics, "data_epoch": position.epoch, "data_offset": position.offset,
+                              "rows_seen": seen[0], "rows_sum": seen[1], "rows_sumsq": seen[2]}, checkpoint=checkpoint)

@@ -1,0 +1,123 @@
+"""Rank 0's metrics sink for pre-training: the MLflow run the driver opened, and the driver's progress board.
+
+Ray Train V2 rejects ``MLflowLoggerCallback``, so rank 0 logs into the run by id. Every rank
+calls the sink, because the images, loss and accuracy it reports are summed over all workers.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from common import tracking
+from training.loop import all_reduce_sum
+
+
+class Window:
+    """This rank's sums since the window opened, which a logged or reported mean divides out."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.images = self.wait = 0.0
+        self.steps = 0
+        # Device tensors once a step adds to them, read back only when they are logged.
+        self.loss: Any = 0.0  # sum of the steps' mean losses
+        self.loss_images: Any = 0.0  # sum of mean loss x images
+        self.correct: Any = 0.0
+
+    def add(self, images: int, loss: Any) -> None:
+        self.images += images
+        self.steps += 1
+        self.loss = self.loss + loss
+        self.loss_images = self.loss_images + loss * images
+
+
+class MetricsSink:
+    """Step metrics every ``log_every`` steps, report metrics with each checkpoint, and any other
+    scores (few-shot, held-out) as they come; rank 0 writes them, the others only sum."""
+
+    def __init__(self, *, rank: int, world: int, device: torch.device, run_id: str | None, uri: str | None,
+                 board: Any, log_every: int, total_steps: int, end_step: int,
+                 peak_flops: float | None, flops_per_image: float) -> None:
+        self.rank, self.world, self.device = rank, world, device
+        self.run_id, self.uri, self.board = run_id, uri, board
+        self.log_every, self.total_steps, self.end_step = log_every, total_steps, end_step
+        self.peak_flops, self.flops_per_image = peak_flops, flops_per_image
+        self.since_log, self.since_report = Window(), Window()
+
+    @property
+    def logs(self) -> bool:
+        return self.rank == 0 and bool(self.run_id)
+
+    @property
+    def posts(self) -> bool:
+        return self.rank == 0 and self.board is not None
+
+    def sync(self) -> None:
+        # Timings read on the host must wait for the device's queued work.
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self.sync()
+        self.since_log.reset()
+        self.since_report.reset()
+
+    def record(self, images: int, loss: Any) -> None:
+        self.since_log.add(images, loss)
+        self.since_report.add(images, loss)
+
+    def record_wait(self, seconds: float) -> None:
+        self.since_log.wait += seconds
+
+    def record_correct(self, correct: Any) -> None:
+        self.since_report.correct = self.since_report.correct + correct
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        if self.logs:
+            tracking.log_metrics_to(self.run_id, metrics, step=step, uri=self.uri)
+
+    def log_step(self, step: int, lr: float, grad_norm: Any) -> None:
+        """At each log interval: the interval's loss, learning rate, throughput and input wait."""
+        if step % self.log_every:
+            return
+        self.sync()
+        w = self.since_log
+        elapsed = time.perf_counter() - w.start
+        images_all, wait_all = all_reduce_sum([w.images, w.wait], self.device)
+        if self.logs:
+            metrics = {"train_loss": float(w.loss) / w.steps, "lr": lr, "grad_norm": float(grad_norm),
+                       "images_per_second_per_worker": w.images / elapsed,
+                       "images_per_second": images_all / elapsed,
+                       "input_wait_fraction": wait_all / (self.world * elapsed)}
+            if self.peak_flops:
+                # MFU: model FLOPs (vitcore's count, backward = 2x forward) over the bf16 peak.
+                metrics["mfu"] = w.images / elapsed * self.flops_per_image / self.peak_flops
+            self.log(metrics, step)
+        if self.posts:
+            self.board.post.remote({"kind": "step", "time": time.time(), "step": step, "total": self.total_steps,
+                                    "end": self.end_step, "loss": float(w.loss) / w.steps,
+                                    "images_per_second": images_all / elapsed})
+        w.reset()
+
+    def report(self, step: int, epoch: int, held: dict[str, float]) -> dict[str, float]:
+        """The metrics a checkpoint is reported with: the train loss and accuracy since the last one."""
+        w = self.since_report
+        elapsed = time.perf_counter() - w.start
+        seen_all, loss_all, correct_all = all_reduce_sum([w.images, float(w.loss_images), float(w.correct)],
+                                                         self.device)
+        metrics = {"epoch": epoch, "step": step, "train_loss": loss_all / max(1, seen_all),
+                   "train_accuracy": correct_all / max(1, seen_all),
+                   "images_per_second": seen_all / max(elapsed, 1e-9), **held}
+        self.log({k: v for k, v in metrics.items() if k != "step"}, step)
+        if self.posts:
+            self.board.post.remote({"kind": "report", "total": self.total_steps, **metrics})
+        return metrics
+
+    def saved(self) -> None:
+        # The next report's window opens after the save, so that its throughput leaves the save out.
+        self.since_report.reset()
