@@ -89,16 +89,48 @@ def _local_store_path(uri: str) -> str | None:
 
 
 def tracking_uri() -> str:
+    """The store every job logs to, created (and its schema migrated) if it is a new sqlite file."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
-        return default_tracking_uri()
+        uri = default_tracking_uri()
+        _ensure_sqlite_store(uri)
+        return uri
     local = _local_store_path(uri)
     if local is not None and inside_copy(local):
         raise ConfigError(
             f"MLFLOW_TRACKING_URI: {uri!r} would write into Ray's uploaded copy of the working dir, which is "
             f"deleted with the Ray session; {RUNTIME_ENV_HINT}"
         )
+    _ensure_sqlite_store(uri)
     return uri
+
+
+_READY_STORES: set[str] = set()
+
+
+def _ensure_sqlite_store(uri: str) -> None:
+    """Create and migrate a sqlite store once, under a file lock beside it.
+
+    MLflow migrates an empty store from whichever client opens it first; two jobs starting
+    together on a new file both ran the migrations, and the half-migrated store failed every
+    later run (``table metrics already exists``).
+    """
+    if not uri.startswith("sqlite:///") or uri in _READY_STORES:
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):]).expanduser().resolve()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            store = SqlAlchemyStore(uri, (db.parent / "artifacts").as_uri())
+            store.engine.dispose()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _READY_STORES.add(uri)
 
 
 def ui_command(uri: str | None = None) -> str:
