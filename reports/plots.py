@@ -13,6 +13,7 @@ def _plt():
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["text.parse_math"] = False  # run names and titles are text, never mathtext
     import matplotlib.pyplot as plt
 
     return plt

@@ -50,6 +50,7 @@ done
 mlflow_bin="${MLFLOW_BIN:-mlflow}"
 args=()
 auth_db=""
+conf_dir=""
 
 case "$mode" in
   local)
@@ -97,10 +98,12 @@ esac
 if [[ "${MLFLOW_AUTH:-}" == "basic" ]]; then
   [[ -n "${MLFLOW_AUTH_ADMIN_PASSWORD:-}" ]] || die "MLFLOW_AUTH=basic needs MLFLOW_AUTH_ADMIN_PASSWORD (the admin user is created from it on first start)"
   [[ -n "${MLFLOW_FLASK_SERVER_SECRET_KEY:-}" ]] || die "MLFLOW_AUTH=basic needs MLFLOW_FLASK_SERVER_SECRET_KEY (the same value for every worker and restart)"
-  if [[ -z "${MLFLOW_AUTH_CONFIG_PATH:-}" ]]; then
+  if [[ -z "${MLFLOW_AUTH_CONFIG_PATH:-}" && "$dry_run" == 0 ]]; then
     # The shipped basic_auth.ini keeps users in ./basic_auth.db, which a container loses on
-    # restart; keep them next to the runs instead.
-    conf_dir="$(mktemp -d)"
+    # restart; keep them next to the runs instead. Its database_uri holds the database
+    # password, so it lives in a 0700 folder only while the server runs.
+    conf_dir="$(umask 077; mktemp -d)"
+    trap 'rm -rf "$conf_dir"' EXIT
     # MLflow reads the file with configparser, where % starts an interpolation: a quoted
     # password (p%40ss) must be written as p%%40ss.
     cat > "$conf_dir/basic_auth.ini" <<INI
@@ -124,4 +127,17 @@ if ((dry_run)); then
   exit 0
 fi
 echo "MLflow tracking server on http://$host:$port (clients: export MLFLOW_TRACKING_URI=http://$host:$port)" >&2
-exec "${cmd[@]}"
+if [[ -z "$conf_dir" ]]; then
+  exec "${cmd[@]}"
+fi
+# Not exec: this shell stays to remove the auth ini when the server ends, and passes a stop
+# signal on to it (as PID 1 of a container, too).
+"${cmd[@]}" &
+server_pid=$!
+trap 'kill -TERM "$server_pid" 2>/dev/null || true' TERM INT HUP
+status=0
+while true; do
+  wait "$server_pid" && status=0 || status=$?
+  kill -0 "$server_pid" 2>/dev/null || break
+done
+exit "$status"

@@ -4,10 +4,12 @@
 #   infra/ray/local-cluster.sh start [--temp-dir DIR] [--num-cpus N] [--num-gpus N]
 #                                    [--port 6379] [--dashboard-port 8265]
 #   infra/ray/local-cluster.sh stop  [--temp-dir DIR]
+#   infra/ray/local-cluster.sh token
 #
 # start prints the exact `ray job submit` line for this cluster. stop ends only the processes
 # this script started (their process group, recorded in DIR), never other Ray instances the
-# way `ray stop` would. DIR defaults to /tmp/ray-vitscale-$USER; keep it short, Ray's socket
+# way `ray stop` would. token makes sure the auth token exists (~/.ray/auth_token, or
+# RAY_AUTH_TOKEN_PATH) readable by its owner only, and prints its path; start does the same. DIR defaults to /tmp/ray-vitscale-$USER; keep it short, Ray's socket
 # paths under it must fit in 107 characters.
 set -euo pipefail
 
@@ -15,7 +17,7 @@ die() { echo "local-cluster.sh: $*" >&2; exit 2; }
 usage() { sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit "${1:-0}"; }
 
 action="${1:-}"
-[[ "$action" == start || "$action" == stop ]] || { [[ "$action" == -h || "$action" == --help ]] && usage 0; usage 2; }
+[[ "$action" == start || "$action" == stop || "$action" == token ]] || { [[ "$action" == -h || "$action" == --help ]] && usage 0; usage 2; }
 shift
 
 temp_dir="/tmp/ray-vitscale-${USER:-$(id -un)}"
@@ -72,20 +74,40 @@ else
   die "no project environment: activate the venv (source .venv/bin/activate, created by 'make test') and run again"
 fi
 export PATH="$env_bin:$PATH"
-"$env_bin/python" -c 'import pyarrow, torch, ray.train, ray.dashboard' 2>/dev/null \
-  || die "$env_bin/python lacks the project's dependencies (pyarrow, torch, ray[default]); activate the project's venv ('make test' creates .venv) and run again"
 ray_bin="${RAY_BIN:-$env_bin/ray}"
 [[ -x "$ray_bin" ]] || die "no ray CLI at $ray_bin; install ray[default] into $env_bin/.. or activate the project's venv"
 
+# Ray writes the token with the process umask (0644 by default): anyone on the machine who can
+# read it can submit jobs, i.e. run code as this user. Create it under umask 077 and tighten
+# a token (and its folder) that an earlier run left readable.
+ensure_token() {
+  local token="${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}"
+  if [[ ! -e "$token" ]]; then
+    (umask 077; [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]] || mkdir -p "$HOME/.ray"
+     RAY_AUTH_MODE=token "$ray_bin" get-auth-token --generate >/dev/null 2>&1) \
+      || die "could not create $token with '$ray_bin get-auth-token --generate'"
+  fi
+  [[ -f "$token" ]] || die "$token is missing or not a file; remove it and run again to generate a token"
+  chmod 600 "$token" || die "could not make $token readable by its owner only (chmod 600 $token)"
+  [[ -n "${RAY_AUTH_TOKEN_PATH:-}" ]] || chmod go-rwx "$HOME/.ray" 2>/dev/null || true
+  echo "$token"
+}
+if [[ "$action" == token ]]; then
+  ensure_token
+  exit 0
+fi
+
+"$env_bin/python" -c 'import pyarrow, torch, ray.train, ray.dashboard' 2>/dev/null \
+  || die "$env_bin/python lacks the project's dependencies (pyarrow, torch, ray[default]); activate the project's venv ('make test' creates .venv) and run again"
 if [[ -f "$pid_file" ]] && kill -0 -- "-$(cat "$pid_file")" 2>/dev/null; then
   die "a head started from $temp_dir is already running; run: $0 stop --temp-dir $temp_dir"
 fi
 mkdir -p "$temp_dir"
 
 # `ray start` turns token auth on only when asked or when a token exists; ask, and make sure
-# the token exists (~/.ray/auth_token) so the head and every client share it.
+# the token exists so the head and every client share it.
 export RAY_AUTH_MODE=token
-"$ray_bin" get-auth-token --generate >/dev/null 2>&1 || die "could not create ~/.ray/auth_token with '$ray_bin get-auth-token --generate'"
+ensure_token >/dev/null
 
 # --block keeps ray start in the foreground of its own session, so the whole cluster is one
 # process group that stop can end without touching other Ray instances. Ray 2.60 swaps
