@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import types
 import typing
@@ -116,9 +117,13 @@ def _coerce(name: str, tp: Any, value: Any) -> Any:
         if isinstance(value, bool):
             raise bad
         try:
-            return float(value)
-        except (TypeError, ValueError):
+            number = float(value)
+        except (TypeError, ValueError, OverflowError):
             raise bad from None
+        if not math.isfinite(number):
+            # inf or nan passes every "> 0" check and overflows later, in the middle of a run.
+            raise ConfigError(f"{name}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, (dict, list)):
             raise bad
@@ -157,14 +162,35 @@ def from_dict(cls: type[T], data: dict[str, Any], *, source: str = "config") -> 
         raise ConfigError(f"{source}: {exc}") from exc
 
 
+#: A config is a page of settings; anything larger is a mistake or an attack on the parser.
+MAX_CONFIG_BYTES = 1_000_000
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` without aliases: a few hundred bytes of nested ``*a`` references
+    expand to gigabytes (the "billion laughs"), and no vitscale config needs them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"found the alias *{event.anchor}; aliases are not accepted, write the value out",
+                event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a YAML or JSON config file into a dict, with errors that name the file."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
+    size = p.stat().st_size
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{p}: {size} bytes is too large for a config file (at most {MAX_CONFIG_BYTES}); "
+                          "pass the settings file itself")
     text = p.read_text()
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if p.suffix == ".json" else yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
     return data or {}

@@ -6,7 +6,9 @@ complete, so a reader (or a resumed job) never sees half a shard, manifest or st
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import stat
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -103,3 +105,66 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, fs=None) -> None:
     """Write ``data`` (bytes, or text as UTF-8) to ``path`` atomically (see :func:`atomic_open`)."""
     with atomic_open(path, fs, "w" if isinstance(data, str) else "wb") as f:
         f.write(data)
+
+
+# Kernel file systems whose "files" are not data: reading them yields process state
+# (/proc/self/environ), never ends, or has side effects.
+_PSEUDO_FS = frozenset({"proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+                        "securityfs", "configfs", "bpf", "pstore", "efivarfs", "fusectl", "mqueue", "binfmt_misc"})
+
+
+@functools.lru_cache(maxsize=1)
+def _pseudo_devices() -> frozenset[int]:
+    devices = set()
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                fstype = fields[fields.index("-") + 1]
+                if fstype in _PSEUDO_FS:
+                    major, minor = fields[2].split(":")
+                    devices.add(os.makedev(int(major), int(minor)))
+    except (OSError, ValueError, IndexError):
+        pass
+    return frozenset(devices)
+
+
+def local_target(url: str) -> str | None:
+    """The local path that an fsspec URL finally opens (the last link of a ``a::b`` chain), or None."""
+    last = str(url).rsplit("::", 1)[-1]
+    if "://" not in last:
+        return last
+    protocol, _, path = last.partition("://")
+    return path if protocol in ("file", "local") else None
+
+
+def irregular_reason(st: os.stat_result) -> str | None:
+    """Why a file with this ``stat`` is not one to read as data, or None for a regular file."""
+    mode = st.st_mode
+    if stat.S_ISDIR(mode):
+        return None  # opening it fails on its own, with its own message
+    for test, what in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    if not stat.S_ISREG(mode):
+        return "not a regular file"
+    if st.st_dev in _pseudo_devices():
+        return "a kernel file (/proc, /sys), not data"
+    return None
+
+
+def irregular_file(url: str) -> str | None:
+    """Why the local file ``url`` names (symlinks followed) must not be opened, or None.
+
+    FIFOs block an open until a writer comes, devices never end (/dev/zero), and /proc
+    entries hold process state; each is refused from its ``stat``, before it is opened.
+    Remote URLs and missing files give None: opening them reports their own error.
+    """
+    path = local_target(url)
+    if path is None:
+        return None
+    try:
+        return irregular_reason(os.stat(path))
+    except (OSError, ValueError):
+        return None

@@ -177,10 +177,7 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex, *, run_id: str | N
         todo_all.update(todo)
         for n in todo:
             entry["test_sets"][n] = fingerprints[n]
-    if new_matches:
-        with open(root / schema.REMOVED, "a") as f:
-            for m in new_matches:
-                f.write(json.dumps({**m, "mlflow_run_id": run_id} if run_id else m) + "\n")
+    schema.append_removed(root, [{**m, "mlflow_run_id": run_id} if run_id else m for m in new_matches])
     if pairs:
         if run_id:
             state.setdefault("runs", []).append({"mlflow_run_id": run_id, "new_removals": len(new_matches),

@@ -25,6 +25,12 @@ def _default_workers() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+# Sane ranges: far beyond any real image or shard, far below where byte counts overflow.
+MAX_MEGAPIXELS_LIMIT = 100_000.0
+MAX_FILE_MB_LIMIT = 1_000_000.0  # 1 TB
+MIN_SHARD_MB, MAX_SHARD_MB = 0.001, 1_000_000.0
+
+
 @dataclasses.dataclass
 class PrepareConfig:
     """Ingest an image corpus into validated, de-duplicated Arrow IPC shards."""
@@ -110,10 +116,15 @@ class PrepareConfig:
         )
         check(1 <= self.quality <= 100, "quality", f"JPEG quality must be in 1..100, got {self.quality}")
         check(self.workers >= 1, "workers", f"must be at least 1, got {self.workers}")
-        check(self.max_megapixels > 0, "max_megapixels", f"must be positive, got {self.max_megapixels}")
-        check(self.max_file_mb > 0, "max_file_mb", f"must be positive, got {self.max_file_mb}")
+        # Upper and lower bounds, not only signs: max_file_mb=1e308 and shard_mb=1e-320 pass "> 0"
+        # and overflow to inf in byte counts, after the old manifest is gone.
+        check(0 < self.max_megapixels <= MAX_MEGAPIXELS_LIMIT, "max_megapixels",
+              f"must be in (0, {MAX_MEGAPIXELS_LIMIT:g}], got {self.max_megapixels}")
+        check(0 < self.max_file_mb <= MAX_FILE_MB_LIMIT, "max_file_mb",
+              f"must be in (0, {MAX_FILE_MB_LIMIT:g}] MB, got {self.max_file_mb}")
         check(self.min_short_side >= 0, "min_short_side", f"must be >= 0, got {self.min_short_side}")
-        check(self.shard_mb > 0, "shard_mb", f"must be positive, got {self.shard_mb}")
+        check(MIN_SHARD_MB <= self.shard_mb <= MAX_SHARD_MB, "shard_mb",
+              f"must be in [{MIN_SHARD_MB:g}, {MAX_SHARD_MB:g}] MB, got {self.shard_mb}")
         self.test_sets()
         check(self.runner in RUNNERS, "runner",
               f"{self.runner!r} is not a runner prepare knows; use one of {', '.join(RUNNERS)}")

@@ -36,6 +36,9 @@ try:
     import simplejpeg
 except ImportError:  # a declared dependency; without it Pillow decodes every JPEG
     simplejpeg = None
+# The same library, for the check that a JPEG's data covers its header (_jpeg_scan_ends_early),
+# which runs whichever decoder gave the pixels.
+_jpeg_checker = simplejpeg
 
 #: Reasons an input can be rejected. They are part of the output format
 #: (``quarantine.jsonl`` and ``manifest["counts"]["rejected"]``); do not rename.
@@ -50,6 +53,7 @@ REASONS = (
     "too_small",  # shorter side below min_short_side
     "unknown_label",  # a label that the given label map does not list
     "unreadable",  # the source could not be read (missing file, bad archive member)
+    "not_a_regular_file",  # a FIFO, device, socket or /proc entry: refused from its stat, never opened
     "corrupt_archive",  # a tar archive that cannot be read to the end
     "bad_manifest_row",  # a manifest row without a usable uri
     "unexpected_error",  # the dead-letter path: any other exception, with its type and message
@@ -129,6 +133,46 @@ def _sniff(data: bytes) -> str:
     )):
         return "unsupported"
     return "unknown"
+
+
+# Types a non-image commonly turns out to be, by signature: named in the quarantine record
+# instead of the file's bytes, which may be anything the job can read (/etc/passwd, a token).
+_OTHER_MAGIC = (
+    (b"%PDF", "PDF document"), (b"PK\x03\x04", "ZIP archive"), (b"\x1f\x8b", "gzip data"),
+    (b"BZh", "bzip2 data"), (b"\xfd7zXZ\x00", "xz data"), (b"7z\xbc\xaf", "7-zip archive"),
+    (b"\x7fELF", "ELF executable"), (b"MZ", "Windows executable"), (b"\x00asm", "WebAssembly module"),
+    (b"ARROW1", "Arrow file"), (b"PAR1", "Parquet file"), (b"SQLite format 3", "SQLite database"),
+    (b"OggS", "Ogg media"), (b"ID3", "MP3 audio"), (b"\x1aE\xdf\xa3", "Matroska/WebM video"),
+    (b"\x93NUMPY", "NumPy array"), (b"\x80\x04", "Python pickle"), (b"\x80\x05", "Python pickle"),
+)
+
+
+def describe_non_image(data: bytes) -> str:
+    """What a file that is no image is (``"HTML document"``, ``"text"``, ``"binary data"``), never its bytes."""
+    head = data[:512]
+    for magic, name in _OTHER_MAGIC:
+        if head.startswith(magic):
+            return name
+    if head[4:8] == b"ftyp":
+        return "MP4/QuickTime media"
+    if head[:4] == b"RIFF":
+        return "RIFF media"
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        text = head[:exc.start].decode("utf-8") if exc.start >= len(head) - 3 else None
+    if text is None or "\x00" in text:
+        return "binary data"
+    lower = text.lstrip("\ufeff \t\r\n").lower()
+    if lower.startswith(("<!doctype html", "<html", "<head", "<body")):
+        return "HTML document"
+    if lower.startswith("<svg") or ("<svg" in lower and lower.startswith("<?xml")):
+        return "SVG image (vector, not accepted)"
+    if lower.startswith("<?xml"):
+        return "XML document"
+    if lower.startswith(("{", "[")):
+        return "JSON or other text"
+    return "text"
 
 
 def _load_error(exc: Exception, uri: str) -> BadImage:
@@ -228,6 +272,72 @@ def _decode_jpeg_turbo(data: bytes, width: int, height: int, denom: int) -> Imag
     return img
 
 
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+# Adam7 passes: (x start, y start, x step, y step).
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+
+
+def _png_rows_bytes(width: int, height: int, depth: int, colour: int, interlaced: bool) -> int:
+    """Bytes of filtered pixel data (a filter byte per row) an image of this header inflates to."""
+    bits = _PNG_CHANNELS.get(colour, 4) * depth
+    passes = _ADAM7 if interlaced else ((0, 0, 1, 1),)
+    total = 0
+    for x0, y0, dx, dy in passes:
+        w, h = -(-(width - x0) // dx) if width > x0 else 0, -(-(height - y0) // dy) if height > y0 else 0
+        if w and h:
+            total += h * (1 + -(-w * bits // 8))
+    return total
+
+
+def _png_data_ends_early(data: bytes) -> str | None:
+    """How much pixel data a PNG lacks, or None when its IDAT stream covers the header's size.
+
+    Pillow's zlib decoder stops without an error where the stream ends, and leaves the rows
+    it never got black: a 312-byte file that claims 8000 x 8000 pixels decodes "fine".
+    """
+    import struct
+    import zlib
+
+    try:
+        width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", data[16:29])
+    except struct.error:
+        return None
+    need = _png_rows_bytes(width, height, depth, colour, bool(interlace))
+    inflate, got, pos = zlib.decompressobj(), 0, 8
+    try:
+        while pos + 8 <= len(data) and got < need:
+            length, kind = struct.unpack(">I4s", data[pos:pos + 8])
+            if kind == b"IEND":
+                break
+            if kind == b"IDAT":
+                chunk = data[pos + 8:pos + 8 + length]
+                while chunk and got < need:
+                    got += len(inflate.decompress(chunk, 1 << 22))
+                    chunk = inflate.unconsumed_tail
+            pos += 12 + length
+    except zlib.error:
+        return None  # Pillow decoded it; a stream zlib refuses here is not this check's verdict
+    return None if got >= need else f"{got} of {need} bytes of pixel data"
+
+
+def _jpeg_scan_ends_early(data: bytes) -> str | None:
+    """libjpeg's warning when a JPEG's entropy-coded data ends before its last block, or None.
+
+    libjpeg fills the missing blocks with grey and only warns, and Pillow does not pass the
+    warning on: a 700-byte file that claims 9000 x 9000 pixels decodes to flat grey. The check
+    decodes at 1/8 scale, which still reads every coefficient. Without simplejpeg it cannot run.
+    """
+    if _jpeg_checker is None:
+        return None
+    try:
+        space = _jpeg_checker.decode_jpeg_header(data)[2]
+        _jpeg_checker.decode_jpeg(data, colorspace={"Gray": "GRAY", "CMYK": "CMYK", "YCCK": "CMYK"}.get(space, "RGB"),
+                                  min_width=1, min_height=1, strict=True)
+    except (ValueError, RuntimeError, MemoryError) as exc:
+        return str(exc) if "premature end" in str(exc).lower() else None
+    return None
+
+
 def decode_image(
     data: bytes,
     *,
@@ -274,7 +384,7 @@ def decode_image(
                 raise BadImage("corrupt", f"{uri}: image signature found but the header cannot be parsed") from None
             if kind == "unsupported":
                 raise BadImage("unsupported_format", f"{uri}: image format not supported; convert to JPEG or PNG") from None
-            raise BadImage("not_an_image", f"{uri}: not an image (starts with {data[:16]!r})") from None
+            raise BadImage("not_an_image", f"{uri}: not an image ({describe_non_image(data)}, {len(data)} bytes)") from None
         except Exception as exc:  # Pillow's plugins raise OSError, SyntaxError, struct.error...
             raise _load_error(exc, uri) from None
 
@@ -317,6 +427,10 @@ def decode_image(
                 raise BadImage("decompression_bomb", f"{uri}: {exc}") from None
             except Exception as exc:
                 raise _load_error(exc, uri) from None
+            short = _png_data_ends_early(data) if fmt == "PNG" else (
+                _jpeg_scan_ends_early(data) if fmt in _DRAFT_FORMATS else None)
+            if short:
+                raise BadImage("truncated", f"{uri}: {width}x{height} in the header, but the image data ends early ({short})")
 
             try:
                 img = _to_rgb(img)

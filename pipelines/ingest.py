@@ -138,26 +138,36 @@ def load_label_map(path: str) -> dict[str, int]:
 # -- pipeline steps (module-level so they pickle by reference) ---------------------------------
 
 def _read_unit(unit: Unit, max_bytes: int | None = None, progress_dir: str | None = None) -> Iterator[Any]:
-    """A unit's items, or a single quarantine row for the unit if reading it fails.
+    """A unit's items, one at a time, then a quarantine row for the rest if reading it fails.
 
-    All or nothing, like Beam's dead-letter output this replaces: a unit that fails half
-    way contributes its rejection only, so each input is counted once.
+    Streamed: only the item being handed on is held, so memory follows one file of at
+    most ``max_file_mb``, whatever the unit's size (a whole tar, 16 files). An item already
+    handed on stays counted; a failure adds one row for the unread rest, so each input is
+    counted once.
     """
     from apache_beam.metrics import Metrics
 
+    inputs = Metrics.counter(NAMESPACE, "inputs")
+    n = 0
     try:
-        items = [item.materialize() for item in expand(unit, max_bytes=max_bytes)]
+        # Files come with a reader (their bytes are read by the step that decodes them), archive
+        # members with their bytes: either way one item's bytes at a time.
+        for item in expand(unit, max_bytes=max_bytes):
+            n += 1
+            inputs.inc()
+            progress.count(progress_dir, inputs=1)
+            yield item
     except Exception as exc:  # noqa: BLE001 - any failure of one source becomes its quarantine row
         progress.count(progress_dir, units=1, inputs=1, processed=1, rejected=1)
-        yield _unit_failed(unit, exc)
+        inputs.inc()
+        yield _unit_failed(unit, exc, n)
         return
-    Metrics.counter(NAMESPACE, "inputs").inc(len(items))
-    progress.count(progress_dir, units=1, inputs=len(items))
-    yield from items
+    progress.count(progress_dir, units=1)
 
 
-def _unit_failed(unit: Unit, exc: BaseException) -> dict[str, Any]:
-    return reject(unit.uris[0], "unexpected_error", f"{unit.uris[0]}: reading the source failed: {exc!r}")
+def _unit_failed(unit: Unit, exc: BaseException, done: int = 0) -> dict[str, Any]:
+    after = f" after {done} item(s); the rest of it is skipped" if done else ""
+    return reject(unit.uris[0], "unexpected_error", f"{unit.uris[0]}: reading the source failed{after}: {exc!r}")
 
 
 def _process(item, opts: ProcessOptions, progress_dir: str | None = None) -> dict[str, Any]:
@@ -609,7 +619,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             from pipelines.testsets import build_test_set_index
 
             t_index = time.perf_counter()
-            index = build_test_set_index(test_sets)
+            index = build_test_set_index(test_sets, max_bytes=int(cfg.max_file_mb * 1e6))
             tracking.log_metrics({"test_set_index_s": time.perf_counter() - t_index, "test_set_images": len(index)})
 
         t0 = time.perf_counter()

@@ -43,6 +43,7 @@ import bisect
 import hashlib
 import io
 import json
+import logging
 import os
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -52,8 +53,10 @@ import pyarrow.ipc as ipc
 
 # The source column's text contract: names that are not UTF-8 are written with \xNN escapes.
 from common.config import InputError
-from common.fs import TMP_MARKER, url_to_fs as _fs  # noqa: F401  (TMP_MARKER: part of the layout)
+from common.fs import TMP_MARKER, atomic_write, url_to_fs as _fs  # noqa: F401  (TMP_MARKER: part of the layout)
 from common.text import utf8_text as text_uri
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 
@@ -131,27 +134,68 @@ def records_to_table(rows: Sequence[Mapping[str, Any]]) -> pa.Table:
     return pa.Table.from_arrays(arrays, schema=SCHEMA)
 
 
+def _removed_lines(path: str, fs) -> tuple[list[str], str | None]:
+    """The complete lines of a removal list, and a torn last line (no newline, not JSON) or None.
+
+    A writer killed mid-line (an older vitscale appended through a buffer) leaves such a
+    tail. Its removal never completed: the dedup state is written after the list, so the
+    next dedup run finds that match again. The tail is skipped, never guessed at.
+    """
+    with fs.open(path, "rb") as f:
+        text = f.read().decode("utf-8")
+    lines = text.split("\n")
+    tail = lines.pop()  # "" when the file ends with a newline
+    if tail.strip():
+        try:
+            json.loads(tail)
+        except json.JSONDecodeError:
+            return lines, tail
+        lines.append(tail)
+    return lines, None
+
+
 def read_removed(directory: str | os.PathLike, fs=None) -> frozenset[str]:
-    """Keys listed in ``DIR/removed.jsonl`` (empty if the file is absent)."""
+    """Keys listed in ``DIR/removed.jsonl`` (empty if the file is absent).
+
+    A torn last line is skipped with a warning (:func:`_removed_lines`); a bad line
+    anywhere else is an error.
+    """
     fs, root = _fs(directory, fs)
     path = f"{root}/{REMOVED}"
     if not fs.exists(path):
         return frozenset()
     keys = set()
-    with fs.open(path, "rt") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ShardSetError(f"{path}:{lineno}: not valid JSON ({exc}); fix or delete the line") from None
-            key = obj.get(KEY) if isinstance(obj, dict) else obj
-            if not isinstance(key, str):
-                raise ShardSetError(f'{path}:{lineno}: expected {{"key": "..."}} or a JSON string, got {line[:80]!r}')
-            keys.add(key)
+    lines, torn = _removed_lines(path, fs)
+    if torn is not None:
+        log.warning("%s: its last line is torn (%d bytes, no newline; a write was cut off) and is skipped; "
+                    "the next dedup run rewrites the file without it", path, len(torn))
+    for lineno, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ShardSetError(f"{path}:{lineno}: not valid JSON ({exc}); fix or delete the line") from None
+        key = obj.get(KEY) if isinstance(obj, dict) else obj
+        if not isinstance(key, str):
+            raise ShardSetError(f'{path}:{lineno}: expected {{"key": "..."}} or a JSON string, got {line[:80]!r}')
+        keys.add(key)
     return frozenset(keys)
+
+
+def append_removed(directory: str | os.PathLike, rows: Sequence[Mapping[str, Any]], fs=None) -> None:
+    """Add ``rows`` to ``DIR/removed.jsonl`` atomically: the whole file is rewritten and renamed,
+    so a reader sees the old list or the new one, never a torn line. A torn tail left by an
+    older writer is dropped in the rewrite (no ``rows``: only that repair, if needed)."""
+    fs, root = _fs(directory, fs)
+    path = f"{root}/{REMOVED}"
+    lines, torn = _removed_lines(path, fs) if fs.exists(path) else ([], None)
+    if not rows and torn is None:
+        return
+    text = "".join(line + "\n" for line in lines if line.strip())
+    text += "".join(json.dumps(dict(r)) + "\n" for r in rows)
+    atomic_write(path, text, fs)
 
 
 def _check_inside(name: Any, manifest: str) -> None:

@@ -36,20 +36,24 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 import json
+import os
 import posixpath
+import stat
 import tarfile
 from typing import Callable, Iterator
 
 from common.config import InputError
-from common.fs import url_to_fs
-from pipelines.decode import BadImage
+from common.fs import irregular_file, irregular_reason, local_target, url_to_fs
+from pipelines.decode import DEFAULT_MAX_FILE_MB, BadImage
 from pipelines.schema import MANIFEST, text_uri
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet")
 FILES_PER_UNIT = 16
+DEFAULT_MAX_BYTES = int(DEFAULT_MAX_FILE_MB * 1e6)
 
 
 class SourceError(InputError):
@@ -117,13 +121,49 @@ def _too_large_detail(uri: str, size: int | None, max_bytes: int) -> str:
     return text_uri(f"{uri}: {what}, above max_file_mb={max_bytes / 1e6:g}; not read further")
 
 
+def _refuse_irregular(url: str) -> None:
+    why = irregular_file(url)
+    if why:
+        raise BadImage("not_a_regular_file", text_uri(f"{url}: {why}; only regular files are read"))
+
+
+def _open_local(url: str, path: str, max_bytes: int | None):
+    """``path`` opened for reading without blocking on a FIFO, and refused unless it is a regular file.
+
+    The ``stat`` before the open (:func:`_refuse_irregular`) keeps devices closed; this
+    ``fstat`` of what was actually opened closes the gap of a file swapped in between, and
+    gives the size, so a file above ``max_bytes`` is refused without reading any of it.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
+    try:
+        st = os.fstat(fd)
+        why = irregular_reason(st)
+        if why:
+            raise BadImage("not_a_regular_file", text_uri(f"{url}: {why}; only regular files are read"))
+        if max_bytes is not None and stat.S_ISREG(st.st_mode) and st.st_size > max_bytes:
+            raise BadImage("too_large", _too_large_detail(url, st.st_size, max_bytes))
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _read_url(url: str, max_bytes: int | None = None) -> bytes:
     try:
         import fsspec
 
-        with fsspec.open(url, "rb") as f:
+        _refuse_irregular(url)
+        local = local_target(url) if "::" not in url else None
+        with (_open_local(url, local, max_bytes) if local is not None else fsspec.open(url, "rb")) as f:
+            limit = max_bytes
+            if local is not None and limit is not None:
+                # A buffer of the file's own size, not of the limit: memory follows the file.
+                limit = min(limit, os.fstat(f.fileno()).st_size)
             # Reads one byte past the limit instead of asking the size: one request less on object stores.
-            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+            data = f.read() if limit is None else f.read(limit + 1)
+    except BadImage:
+        raise
     except FileNotFoundError:
         raise BadImage("unreadable", f"{text_uri(url)}: file not found") from None
     except IsADirectoryError:
@@ -133,6 +173,19 @@ def _read_url(url: str, max_bytes: int | None = None) -> bytes:
     if max_bytes is not None and len(data) > max_bytes:
         raise BadImage("too_large", _too_large_detail(url, None, max_bytes))
     return data
+
+
+class _HandOver:
+    """A reader of bytes already read (an archive member's) that lets go of them when they are read."""
+
+    def __init__(self, data: bytes, uri: str):
+        self.data, self.uri = data, uri
+
+    def __call__(self) -> bytes:
+        data, self.data = self.data, None
+        if data is None:
+            raise BadImage("unreadable", text_uri(f"{self.uri}: read a second time; its bytes were handed over"))
+        return data
 
 
 def _text_labels(labels: tuple[str, ...]) -> tuple[str, ...]:
@@ -158,6 +211,9 @@ def plan(source: str, *, files_per_unit: int = FILES_PER_UNIT) -> list[Unit]:
             return _plan_shard_set(source, fs, path)
         return _plan_tree(fs, path, files_per_unit)
     url = fs.unstrip_protocol(path)
+    why = irregular_file(url)
+    if why and _has_suffix(path, MANIFEST_SUFFIXES):
+        raise SourceError(f"{source}: {why}, not a manifest file; pass a regular file")
     if _has_suffix(path, TAR_SUFFIXES):
         return [Unit("tar", (url,), ((_tar_stem(path),),))]
     if _has_suffix(path, MANIFEST_SUFFIXES):
@@ -302,7 +358,8 @@ def expand(unit: Unit, *, max_bytes: int | None = None) -> Iterator[SourceItem]:
         yield SourceItem(text_uri(unit.uris[0]), error=unit.error)
     elif unit.kind == "files":
         for uri, labels in zip(unit.uris, unit.labels):
-            yield SourceItem(text_uri(uri), _text_labels(labels), reader=lambda uri=uri: _read_url(uri, max_bytes))
+            # A picklable reader: the bytes are read where the item is processed, one file at a time.
+            yield SourceItem(text_uri(uri), _text_labels(labels), reader=functools.partial(_read_url, uri, max_bytes))
     elif unit.kind == "tar":
         yield from _expand_tar(unit.uris[0], unit.labels[0], max_bytes)
     elif unit.kind == "shard":
@@ -316,6 +373,11 @@ def _expand_tar(url: str, default_labels: tuple[str, ...], max_bytes: int | None
     try:
         import fsspec
 
+        why = irregular_file(url)
+        if why:
+            yield SourceItem(text_uri(url), _text_labels(default_labels), error=(
+                "not_a_regular_file", text_uri(f"{url}: {why}; only regular files are read")))
+            return
         with fsspec.open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as archive:
             for member in archive:
                 if not member.isfile():
@@ -333,8 +395,10 @@ def _expand_tar(url: str, default_labels: tuple[str, ...], max_bytes: int | None
                     yield SourceItem(text_uri(uri), _text_labels(labels), error=error)
                     continue
                 f = archive.extractfile(member)
-                data = f.read() if f is not None else b""
-                yield SourceItem(text_uri(uri), _text_labels(labels), data=data)
+                # Handed over once: whoever decodes the member holds its bytes, and nothing of the
+                # stream or the runner keeps them while the next member is read.
+                yield SourceItem(text_uri(uri), _text_labels(labels),
+                                 reader=_HandOver(f.read() if f is not None else b"", uri))
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         where = f"after {members} member(s)" if members else "before the first member"
         yield SourceItem(text_uri(url), _text_labels(default_labels), error=("corrupt_archive", text_uri(
@@ -360,13 +424,14 @@ def _expand_shard(url: str, index: int) -> Iterator[SourceItem]:
             yield SourceItem(row["source"], tuple(names[i] for i in row["labels"]), data=data)
 
 
-def iter_items(source: str) -> Iterator[SourceItem]:
+def iter_items(source: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES) -> Iterator[SourceItem]:
     """Every item of ``source`` in a deterministic order (see the module docstring for source kinds).
 
     Items come with their bytes loaded (``item.data``); an item that could not be
     read has ``data=None`` and ``error=(reason, detail)``, and ``item.read()``
-    raises the matching :class:`~pipelines.decode.BadImage`.
+    raises the matching :class:`~pipelines.decode.BadImage`. A file above ``max_bytes``
+    is not read past it (``too_large``), as in the ingest.
     """
     for unit in plan(source):
-        for item in expand(unit):
+        for item in expand(unit, max_bytes=max_bytes):
             yield item.materialize()

@@ -13,7 +13,7 @@ from PIL import Image
 
 from neardup.index import Quarantined, TestSetIndex
 from pipelines.decode import BadImage, decode_image
-from pipelines.sources import SourceError, iter_items, plan
+from pipelines.sources import DEFAULT_MAX_BYTES, SourceError, iter_items, plan
 
 
 @dataclasses.dataclass
@@ -33,9 +33,12 @@ def check_sources(test_sets: dict[str, str]) -> None:
             raise SourceError(f"test_set {name}: {exc}") from None
 
 
-def iter_images(source: str) -> Iterator[Item]:
-    """Every image of ``source``, decoded to 8-bit RGB as the ingest decodes it, or its rejection reason."""
-    for raw in iter_items(source):
+def iter_images(source: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES) -> Iterator[Item]:
+    """Every image of ``source``, decoded to 8-bit RGB as the ingest decodes it, or its rejection reason.
+
+    A file above ``max_bytes`` is not read past it (``too_large``), the corpus's own cap.
+    """
+    for raw in iter_items(source, max_bytes=max_bytes):
         try:
             img = decode_image(raw.read(), uri=raw.uri)
         except BadImage as exc:
@@ -44,14 +47,15 @@ def iter_images(source: str) -> Iterator[Item]:
             yield Item(raw.key, raw.uri, img, None)
 
 
-def add_source(index: TestSetIndex, test_set: str, source: str) -> dict[str, int]:
+def add_source(index: TestSetIndex, test_set: str, source: str, *,
+               max_bytes: int | None = DEFAULT_MAX_BYTES) -> dict[str, int]:
     """Index every image of ``source`` not yet indexed under ``test_set``; bad images are quarantined.
 
     Returns counts ``{"seen", "added", "already_indexed", "quarantined"}``.
     """
     counts = {"seen": 0, "added": 0, "already_indexed": 0, "quarantined": 0}
     known_bad = {(q.test_set, q.key) for q in index.quarantine}
-    for item in iter_images(source):
+    for item in iter_images(source, max_bytes=max_bytes):
         counts["seen"] += 1
         if index.has_key(test_set, item.key):
             counts["already_indexed"] += 1
@@ -67,7 +71,8 @@ def add_source(index: TestSetIndex, test_set: str, source: str) -> dict[str, int
 
 
 def build_test_set_index(test_sets: dict[str, str], *, threshold: int | None = None,
-                         base: TestSetIndex | None = None) -> TestSetIndex:
+                         base: TestSetIndex | None = None,
+                         max_bytes: int | None = DEFAULT_MAX_BYTES) -> TestSetIndex:
     """Index every image of each test set (name -> source); bad images are quarantined, not fatal.
 
     ``base`` makes the build incremental: images already in it are skipped and new ones go
@@ -77,5 +82,5 @@ def build_test_set_index(test_sets: dict[str, str], *, threshold: int | None = N
     for name, source in test_sets.items():
         if not name or "=" in name:
             raise ValueError(f"test set name {name!r}: expected a non-empty name without '=' (name=source)")
-        add_source(index, name, source)
+        add_source(index, name, source, max_bytes=max_bytes)
     return index

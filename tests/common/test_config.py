@@ -79,3 +79,33 @@ def test_a_field_is_marked_once_as_recipe_length_or_where():
 
     with pytest.raises(TypeError, match="Bad.x: recipe mark 'maybe'"):
         not_recipe(Bad)
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path):
+    import time
+
+    from common.config import load_file
+
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for i, name in enumerate("bcdefghi"):
+        prev = "abcdefghi"[i]
+        lines.append(f"{name}: &{name} [{', '.join(['*' + prev] * 9)}]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    assert path.stat().st_size < 600
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match="alias"):
+        load_file(path)
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_plain_yaml_config_still_loads_and_a_huge_one_is_refused(tmp_path):
+    from common.config import load_file
+
+    path = tmp_path / "ok.yaml"
+    path.write_text("size: 64\nname: run\ntags: [a, b]\n")
+    assert load_file(path) == {"size": 64, "name": "run", "tags": ["a", "b"]}
+    big = tmp_path / "big.yaml"
+    big.write_text("x: " + "a" * 2_000_000 + "\n")
+    with pytest.raises(ConfigError, match="too large"):
+        load_file(big)

@@ -32,3 +32,29 @@ def test_a_malformed_removal_list_is_named_by_line(tmp_path):
     (root / "removed.jsonl").write_text('{"key": "a"}\n{"key": \n')
     with pytest.raises(ShardSetError, match=r"removed.jsonl:2: not valid JSON"):
         rescan(root, TestSetIndex())
+
+
+def test_a_torn_last_line_is_skipped_by_readers_and_repaired_by_the_next_rescan(tmp_path, caplog):
+    from pipelines.schema import ShardSet, read_removed
+
+    root = _empty_shard_set(tmp_path / "s")
+    removed = root / "removed.jsonl"
+    removed.write_text('{"key": "a"}\n{"key": "b", "test_set": "t"}\n{"key": "c", "test_se')
+    assert read_removed(root) == {"a", "b"}
+    assert "torn" in caplog.text
+    assert len(ShardSet(root)) == 0  # the set opens; no hand edit needed
+    rescan(root, TestSetIndex())
+    assert removed.read_text() == '{"key": "a"}\n{"key": "b", "test_set": "t"}\n'
+
+
+def test_removals_are_written_whole_through_a_rename(tmp_path):
+    from pipelines.schema import append_removed
+
+    root = _empty_shard_set(tmp_path / "s")
+    append_removed(root, [{"key": "a"}])
+    before = (root / "removed.jsonl").stat().st_ino
+    append_removed(root, [{"key": "b"}, {"key": "c"}])
+    # A new file renamed over the old one (a new inode), never bytes appended to a file a reader may hold.
+    assert (root / "removed.jsonl").stat().st_ino != before
+    assert (root / "removed.jsonl").read_text() == '{"key": "a"}\n{"key": "b"}\n{"key": "c"}\n'
+    assert sorted(p.name for p in root.iterdir()) == ["manifest.json", "removed.jsonl"]

@@ -296,3 +296,68 @@ def test_a_decoded_image_is_an_ordinary_pillow_image(photos):
     assert tuple(np.asarray(copy)[5, 5]) == (1, 2, 3)
     np.testing.assert_array_equal(np.asarray(img), before)
     assert img.convert("L").size == img.size and len(img.tobytes()) == 300 * 400 * 3
+
+
+# -- headers that claim more pixels than the data holds ----------------------------------------
+
+def _png_chunk(kind: bytes, body: bytes) -> bytes:
+    import struct
+    import zlib
+
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def _lying_png(width: int, height: int, rows: int, interlace: int = 0) -> bytes:
+    import struct
+    import zlib
+
+    raw = b"".join(b"\x00" + bytes([80 + r % 100]) * (width * 3) for r in range(rows))
+    return (b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, interlace))
+            + _png_chunk(b"IDAT", zlib.compress(raw, 9)) + _png_chunk(b"IEND", b""))
+
+
+def test_a_png_whose_data_ends_before_its_header_says_is_truncated():
+    data = _lying_png(8000, 8000, rows=2)
+    assert len(data) < 400
+    with pytest.raises(BadImage) as e:
+        decode_image(data, uri="liar.png")
+    assert e.value.reason == "truncated" and "8000x8000" in e.value.detail and "liar.png" in e.value.detail
+    # The same file with every row is an image.
+    whole = _lying_png(64, 48, rows=48)
+    assert decode_image(whole, uri="ok.png").size == (64, 48)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG"])
+def test_honest_interlaced_and_progressive_files_pass_the_length_check(astro, fmt):
+    kw = {"optimize": True} if fmt == "PNG" else {"progressive": True}
+    img = decode_image(_enc(astro, fmt, **kw), uri="x")
+    assert img.size == astro.size
+    # 16-bit grey and palette PNGs inflate to other row sizes.
+    arr = (np.arange(64 * 40, dtype=np.uint16).reshape(40, 64) * 20)
+    assert decode_image(_enc(Image.fromarray(arr, "I;16"), "PNG"), uri="g16").size == (64, 40)
+    assert decode_image(_enc(astro.convert("P"), "PNG"), uri="p").size == astro.size
+
+
+def _lying_jpeg(photos, size: int) -> bytes:
+    import struct
+
+    data = bytearray(_enc(photos["china"].resize((64, 64))))
+    sof = data.find(b"\xff\xc0")
+    struct.pack_into(">HH", data, sof + 5, size, size)
+    return bytes(data)
+
+
+@pytest.mark.parametrize("draft", [None, 224])
+def test_a_jpeg_whose_scan_ends_before_its_header_says_is_truncated_on_both_paths(monkeypatch, photos, draft):
+    data = _lying_jpeg(photos, 9000)
+    assert len(data) < 3000
+    for fast in (True, False):
+        with monkeypatch.context() as m:
+            if not fast:
+                m.setattr(decode_mod, "simplejpeg", None)
+            with pytest.raises(BadImage) as e:
+                decode_image(data, uri="liar.jpg", draft_short_side=draft)
+            assert e.value.reason == "truncated" and "9000x9000" in e.value.detail
+    # A grey JPEG is checked in its own colour space.
+    grey = _enc(photos["china"].convert("L"))
+    assert decode_image(grey, uri="grey.jpg").size == photos["china"].size
