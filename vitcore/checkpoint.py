@@ -4,6 +4,7 @@ JSON, so a pre-training job can hand a model to a fine-tuning job on another mac
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -15,6 +16,10 @@ from .convert import LoadReport, load_adapted
 from .model import ViTConfig, VisionTransformer
 
 FORMAT = "vitcore/1"
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint file that is readable but not what it says it is (its config and tensors disagree)."""
 
 
 def save_checkpoint(model: VisionTransformer, path: str | os.PathLike,
@@ -33,21 +38,67 @@ def save_checkpoint(model: VisionTransformer, path: str | os.PathLike,
     os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
 
 
+def _rough_params(config: ViTConfig) -> int:
+    """A lower bound on the parameters of ``config``'s encoder blocks (qkv, proj, MLP), from numbers alone."""
+    return config.depth * (4 * config.width * config.width + 2 * config.width * config.mlp_dim)
+
+
+def _check_tensors_match_config(path: str, config: ViTConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Refuse a file whose tensors are not exactly those of the model its config describes.
+
+    Before any model is built for real: a 556-byte file whose config says width 2048 would
+    otherwise allocate gigabytes of randomly initialised weights and run on them. The rough
+    count goes first so that an absurd config never gets as far as the shape check, which
+    builds the model on the meta device (shapes only, no memory).
+    """
+    held = sum(math.prod(s) for s in shapes.values())
+    rough = _rough_params(config)
+    if rough > 2 * held + 1_000_000:
+        raise CheckpointMismatch(f"{path}: its config ({config.variant}, width {config.width}, depth {config.depth}) needs "
+                         f"at least {rough:,} parameters but the file holds {held:,} in {len(shapes)} tensors; "
+                         "the file is damaged or not a vitcore checkpoint, re-save it with vitcore.save_checkpoint")
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in VisionTransformer(config).state_dict().items()}
+    missing = sorted(set(expected) - set(shapes))
+    extra = sorted(set(shapes) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(shapes) if expected[k] != shapes[k])
+    if missing or extra or wrong:
+        parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+                 f"{len(extra)} not in the model (e.g. {extra[0]})" if extra else "",
+                 f"{len(wrong)} of another shape (e.g. {wrong[0]}: {shapes[wrong[0]]}, config gives "
+                 f"{expected[wrong[0]]})" if wrong else ""]
+        raise CheckpointMismatch(f"{path}: its tensors do not match its config ({config.variant}): "
+                         + ", ".join(p for p in parts if p)
+                         + "; the file is damaged or not a vitcore checkpoint, re-save it with vitcore.save_checkpoint")
+
+
 def read_checkpoint(path: str | os.PathLike) -> tuple[ViTConfig, dict[str, torch.Tensor], dict[str, str]]:
-    """Return (config, state dict, metadata) of a checkpoint written by save_checkpoint."""
+    """Return (config, state dict, metadata) of a checkpoint written by save_checkpoint.
+
+    The tensors must be exactly those of the model the config describes (names and
+    shapes); this is checked from the file's header before any tensor is read.
+    """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint; write one with vitcore.save_checkpoint")
     try:
         with safe_open(path, framework="pt") as f:
             metadata = f.metadata() or {}
+            if metadata.get("format") != FORMAT or "config" not in metadata:
+                raise CheckpointMismatch(f"{path}: safetensors file without a vitcore config (format "
+                                 f"{metadata.get('format')!r}); for timm weights use vitcore.load_timm_state_dict")
+            try:
+                config = ViTConfig.from_dict(json.loads(metadata["config"]))
+            except (json.JSONDecodeError, TypeError, ValueError, KeyError) as e:
+                raise CheckpointMismatch(f"{path}: its vitcore config cannot be read ({e}); re-save it with "
+                                 "vitcore.save_checkpoint") from None
+            _check_tensors_match_config(path, config, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
             sd = {k: f.get_tensor(k) for k in f.keys()}
+    except CheckpointMismatch:
+        raise
     except (SafetensorError, OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a readable safetensors checkpoint ({e}); re-save it") from e
-    if metadata.get("format") != FORMAT or "config" not in metadata:
-        raise ValueError(f"{path}: safetensors file without a vitcore config (format "
-                         f"{metadata.get('format')!r}); for timm weights use vitcore.load_timm_state_dict")
-    return ViTConfig.from_dict(json.loads(metadata["config"])), sd, metadata
+        raise CheckpointMismatch(f"{path}: not a readable safetensors checkpoint ({e}); re-save it") from e
+    return config, sd, metadata
 
 
 def load_checkpoint(path: str | os.PathLike, **overrides: Any) -> VisionTransformer:

@@ -46,3 +46,46 @@ def test_bad_files_are_named(tmp_path):
     vitcore.save_checkpoint(trained_tiny(), tmp_path / "ok.safetensors")
     with pytest.raises(ValueError, match="unknown override\\(s\\) \\['imgsize'\\]"):
         vitcore.load_checkpoint(tmp_path / "ok.safetensors", imgsize=64)
+
+
+def _with_config(path, config: dict, tensors: dict) -> None:
+    import json
+
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata={"format": vitcore.checkpoint.FORMAT, "config": json.dumps(config)})
+
+
+def test_a_config_without_its_tensors_is_refused_before_a_model_is_built(tmp_path):
+    import resource
+    import time
+
+    config = trained_tiny().config.to_dict()
+    big = dict(config, variant="custom", width=2048, depth=12, mlp_dim=8192, num_heads=16)
+    path = tmp_path / "empty.safetensors"
+    _with_config(path, big, {})
+    assert path.stat().st_size < 1000
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="empty.safetensors: its config .* needs at least .* holds 0"):
+        vitcore.load_checkpoint(path)
+    assert time.monotonic() - t0 < 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KB: no 3 GB model
+    _with_config(path, config, {})
+    with pytest.raises(ValueError, match="tensors do not match its config.*missing"):
+        vitcore.load_checkpoint(path)
+
+
+def test_tensors_of_another_shape_or_name_are_refused(tmp_path):
+    model = trained_tiny()
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+    config = model.config.to_dict()
+    path = tmp_path / "m.safetensors"
+    _with_config(path, dict(config, num_classes=7), sd)  # the head holds 5 classes
+    with pytest.raises(ValueError, match="of another shape \\(e.g. head"):
+        vitcore.read_checkpoint(path)
+    _with_config(path, config, {**sd, "extra.weight": torch.zeros(3)})
+    with pytest.raises(ValueError, match="1 not in the model \\(e.g. extra.weight\\)"):
+        vitcore.read_checkpoint(path)
+    _with_config(path, config, sd)
+    assert vitcore.read_checkpoint(path)[0] == model.config
