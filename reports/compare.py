@@ -56,15 +56,24 @@ def _fmt(value: float) -> str:
     return f"{value:.3f}" if abs(value) < 100 else f"{value:.4g}"
 
 
+def _data_key(run: Run, path_param: str) -> str:
+    """The data a run read: its folder's name and the digest of its manifest, which ranking must share."""
+    name = posixpath.basename(posixpath.normpath(run.params.get(path_param) or "?"))
+    digest = run.tags.get("vitscale.input_manifest_sha256", "")
+    return f"{name} ({digest[:12]})" if digest else name
+
+
 def _group_key(run: Run) -> str:
+    # Runs on other data or with another objective share no scale: a one-class set scores 1.000.
     p = run.params
     if run.stage == "pretrain":
-        return f"objective {p.get('objective', 'classification')}"
+        return f"objective {p.get('objective', 'classification')} on {_data_key(run, 'data')}"
     if run.stage == "finetune":
         name = p.get("dataset")
         if not name or name == "None":
             name = posixpath.basename(posixpath.normpath(p.get("train", "?")))
-        return f"on {name}"
+        digest = run.tags.get("vitscale.input_manifest_sha256", "")
+        return f"on {name}" + (f" ({digest[:12]})" if digest else "")
     if run.stage in ("vtab", "fewshot"):
         tasks = run.param_list("tasks")
         return "tasks " + ", ".join(sorted(t.split("/")[-1] for t in tasks)) if tasks else "tasks ?"
@@ -76,14 +85,15 @@ def _key_metric(stage: str, runs: list[Run]) -> tuple[str, bool, list[str]]:
     prefs = {
         "pretrain": [("holdout_accuracy", True), ("fewshot_10shot_accuracy", True), ("fewshot_5shot_accuracy", True),
                      ("train_accuracy", True), ("train_loss", False)],
-        "finetune": [("test_accuracy", True), ("val_accuracy", True)],
+        # Ranked on the selection metric only: choosing by test accuracy would make it a validation set.
+        "finetune": [("val_accuracy", True)],
         "vtab": [("vtab_mean", True)],
         "fewshot": [("10shot_mean", True), ("5shot_mean", True), ("25shot_mean", True), ("1shot_mean", True)],
     }[stage]
     shown = {
         "pretrain": ["holdout_accuracy", "train_accuracy", "train_loss", "fewshot_10shot_accuracy", "images_per_second",
                      "steps"],
-        "finetune": ["test_accuracy", "val_accuracy", "selected_lr"],
+        "finetune": ["val_accuracy", "test_accuracy", "selected_lr"],
         "vtab": ["vtab_mean", "vtab_natural", "vtab_specialized", "vtab_structured", "lr", "steps"],
         "fewshot": ["1shot_mean", "5shot_mean", "10shot_mean", "25shot_mean"],
     }[stage]
@@ -127,12 +137,46 @@ def rank(store: Store, runs: list[Run], lineage: LineageIndex) -> list[Ranking]:
             names = sorted({n for v in values.values() for n in v})
             differing = [n for n in names if len({values[r.id].get(n, "—") for r in members}) > 1]
             same = {n: values[members[0].id][n] for n in names if n not in differing and n in values[members[0].id]}
+            verdict = _verdict(members, metric, higher, differing, values,
+                               schedule=_schedule_notes(members, store) if len(members) > 1 else [])
             out.append(Ranking(stage, f"{stage} {key}".strip(), metric, higher, members, shown, differing, values,
-                               same, _verdict(members, metric, higher, differing, values)))
+                               same, verdict))
     return out
 
 
-def _verdict(runs: list[Run], metric: str, higher: bool, differing: list[str], values: dict) -> str:
+def _schedule_notes(runs: list[Run], store: Store) -> list[str]:
+    """How the best two runs' schedules differ: steps run and planned, and resumption.
+
+    Params cannot tell: a time-boxed submission (``stop_after``) and its resumption share them.
+    """
+    best, second = runs[0], runs[1]
+    notes = []
+
+    def steps(r: Run) -> str:
+        done, planned = r.metrics.get("steps"), r.metrics.get("planned_steps")
+        if done is None:
+            return "?"
+        return f"{done:.0f}" + (f" of {planned:.0f} planned" if planned is not None and planned != done else "")
+
+    if steps(best) != steps(second):
+        notes.append(f"steps {steps(best)} vs {steps(second)}")
+
+    def resumed(r: Run) -> bool:
+        name = r.params.get("run_name")
+        if r.metrics.get("restarts", 0) > 0:
+            return True
+        return bool(name and name != "None" and any(
+            o.params.get("run_name") == name and o.stage == r.stage and o.start < r.start and o.id != r.id
+            for o in store.runs.values()))
+
+    flags = [resumed(best), resumed(second)]
+    if any(flags):
+        notes.append("resumed from a checkpoint: " + " vs ".join("yes" if f else "no" for f in flags))
+    return notes
+
+
+def _verdict(runs: list[Run], metric: str, higher: bool, differing: list[str], values: dict, *,
+             schedule: list[str] = ()) -> str:
     if len(runs) == 1:
         return f"One run ({runs[0].label}); nothing to rank it against."
     best, second = runs[0], runs[1]
@@ -143,13 +187,19 @@ def _verdict(runs: list[Run], metric: str, higher: bool, differing: list[str], v
     head = (f"{best.label} is best on {metric}: {_fmt(b)}"
             + (f" against {_fmt(s)} for the runner-up {second.label} ({'+' if b >= s else ''}{_fmt(b - s)})."
                if s is not None else "."))
+    if metric == "val_accuracy" and "test_accuracy" in best.metrics:
+        head += f" Its result, test_accuracy, is {_fmt(best.metrics['test_accuracy'])}."
     diffs = [n for n in differing if values[best.id].get(n) != values[second.id].get(n)]
+    when = f" Their schedules differ: {'; '.join(schedule)}." if schedule else ""
+    if not diffs and schedule:
+        return head + " The two share every param and input, but not the schedule, so the gap is not run-to-run " \
+                      f"variation: {'; '.join(schedule)}."
     if not diffs:
         return head + (" The two share every param and input, so the gap is run-to-run variation "
                        "(seeding, data order, scheduling), not a setting.")
     shown = "; ".join(f"{n} {values[best.id].get(n, '—')} vs {values[second.id].get(n, '—')}" for n in diffs[:8])
     more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
-    return f"{head} It differs from the runner-up in: {shown}{more}."
+    return f"{head} It differs from the runner-up in: {shown}{more}.{when}"
 
 
 def pretrain_section(store: Store, runs: list[Run]) -> dict:
