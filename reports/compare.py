@@ -56,24 +56,22 @@ def _fmt(value: float) -> str:
     return f"{value:.3f}" if abs(value) < 100 else f"{value:.4g}"
 
 
-def _data_key(run: Run, path_param: str) -> str:
-    """The data a run read: its folder's name and the digest of its manifest, which ranking must share."""
-    name = posixpath.basename(posixpath.normpath(run.params.get(path_param) or "?"))
-    digest = run.tags.get("vitscale.input_manifest_sha256", "")
-    return f"{name} ({digest[:12]})" if digest else name
+def _digest(run: Run) -> str:
+    """The digest of the manifest(s) a run read: runs are ranked together only when it is the same."""
+    return run.tags.get("vitscale.input_manifest_sha256", "")
 
 
 def _group_key(run: Run) -> str:
     # Runs on other data or with another objective share no scale: a one-class set scores 1.000.
     p = run.params
     if run.stage == "pretrain":
-        return f"objective {p.get('objective', 'classification')} on {_data_key(run, 'data')}"
+        name = posixpath.basename(posixpath.normpath(p.get("data") or "?"))
+        return f"objective {p.get('objective', 'classification')} on {name}"
     if run.stage == "finetune":
         name = p.get("dataset")
         if not name or name == "None":
             name = posixpath.basename(posixpath.normpath(p.get("train", "?")))
-        digest = run.tags.get("vitscale.input_manifest_sha256", "")
-        return f"on {name}" + (f" ({digest[:12]})" if digest else "")
+        return f"on {name}"
     if run.stage in ("vtab", "fewshot"):
         tasks = run.param_list("tasks")
         return "tasks " + ", ".join(sorted(t.split("/")[-1] for t in tasks)) if tasks else "tasks ?"
@@ -125,10 +123,13 @@ def _compared(run: Run, lineage: LineageIndex, store: Store) -> dict[str, str]:
 def rank(store: Store, runs: list[Run], lineage: LineageIndex) -> list[Ranking]:
     out = []
     for stage in ("pretrain", "finetune", "vtab", "fewshot"):
-        groups: dict[str, list[Run]] = {}
+        by_data: dict[tuple[str, str], list[Run]] = {}
         for r in runs:
             if r.stage == stage and r.status == "FINISHED":
-                groups.setdefault(_group_key(r), []).append(r)
+                by_data.setdefault((_group_key(r), _digest(r) if stage in ("pretrain", "finetune") else ""), []).append(r)
+        names = [k for k, _ in by_data]
+        # One folder name for two data sets: the title tells them apart by the manifest's digest.
+        groups = {(f"{k} (manifest {d[:12]})" if d and names.count(k) > 1 else k): m for (k, d), m in by_data.items()}
         for key, members in groups.items():
             metric, higher, shown = _key_metric(stage, members)
             missing = float("-inf") if higher else float("inf")

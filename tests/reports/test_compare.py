@@ -101,10 +101,13 @@ def test_pretraining_runs_on_other_data_or_objectives_are_not_ranked_together(ho
     big = log("pretrain", {"data": "/d/corpus", "objective": "classification"}, {"holdout_accuracy": 0.4},
               tags=_manifest("b"))
     mpp = log("pretrain", {"data": "/d/corpus", "objective": "mpp"}, {"holdout_accuracy": 0.9}, tags=_manifest("b"))
+    rewritten = log("pretrain", {"data": "/d/corpus", "objective": "classification"}, {"holdout_accuracy": 0.8},
+                    tags=_manifest("c"))  # the same folder, prepared again from other inputs
     store = open_store(tracking.tracking_uri())
     rankings = [r for r in compare.rank(store, compare.selection(store, [], []), LineageIndex(store))
                 if r.stage == "pretrain"]
-    assert sorted([r.id for r in ranking.runs] for ranking in rankings) == sorted([[tiny], [big], [mpp]])
+    assert sorted([r.id for r in ranking.runs] for ranking in rankings) == sorted([[tiny], [big], [mpp], [rewritten]])
+    assert f"pretrain objective classification on corpus (manifest {'c' * 12})" in {r.title for r in rankings}
     assert all(r.verdict.startswith("One run") for r in rankings)
 
 
