@@ -18,6 +18,15 @@ from common.config import ConfigError
 # Partial files are written as <final name>.tmp-<uuid>, then renamed.
 TMP_MARKER = ".tmp-"
 
+#: Set to 1 to read shards without checking their sha256 against the manifest
+#: (pipelines.schema.ShardSet); every run that reads shard sets is then tagged so.
+SKIP_SHARD_VERIFY_ENV = "VITSCALE_SKIP_SHARD_VERIFY"
+
+
+def shard_verify_default() -> bool:
+    """Whether shards are checked against their manifest's sha256 unless a caller says otherwise."""
+    return os.environ.get(SKIP_SHARD_VERIFY_ENV, "").strip().lower() not in ("1", "true", "yes", "on")
+
 
 def url_to_fs(url: str | os.PathLike, fs=None):
     """``(filesystem, path)`` for a local path or fsspec URL, without a trailing slash.

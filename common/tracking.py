@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from common.config import ConfigError, not_recipe, recipe_of
+from common.fs import SKIP_SHARD_VERIFY_ENV, shard_verify_default
 from common.jobenv import RUNTIME_ENV_HINT, inside_copy
 from common.text import utf8_text
 
@@ -54,6 +55,7 @@ TAG_NOT_RECIPE = "vitscale.not_recipe"
 TAG_INPUT_MANIFEST = "vitscale.input_manifest_sha256"
 TAG_OUTPUT_MANIFEST = "vitscale.output_manifest_sha256"
 TAG_DEDUP_STATE = "vitscale.dedup_state"
+TAG_SHARD_VERIFY = "vitscale.shard_verify"  # "sha256", or "skipped (VITSCALE_SKIP_SHARD_VERIFY)"
 TAG_LINEAGE = "vitscale.lineage."  # + prepare | dedup | pretrain | finetune
 TAG_DEMO_RUN = "vitscale.demo_run_id"
 TAG_PARENT_RUN = "vitscale.parent_run_id"
@@ -355,6 +357,8 @@ def run_tags(config: Any = None, *, data: list[Mapping[str, Any]] = (),
         tags[TAG_CONFIG_HASH] = config_hash(config)
         if dataclasses.is_dataclass(config):
             tags[TAG_NOT_RECIPE] = ",".join(sorted(not_recipe(config)))
+    if data:
+        tags[TAG_SHARD_VERIFY] = "sha256" if shard_verify_default() else f"skipped ({SKIP_SHARD_VERIFY_ENV})"
     if main:
         tags[TAG_INPUT_MANIFEST] = join_ids([r["manifest_sha256"] for r in main])
         states = list(dict.fromkeys(r.get("dedup_state") or "none" for r in main))

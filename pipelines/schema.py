@@ -53,7 +53,7 @@ import pyarrow.ipc as ipc
 
 # The source column's text contract: names that are not UTF-8 are written with \xNN escapes.
 from common.config import InputError
-from common.fs import TMP_MARKER, atomic_write, url_to_fs as _fs  # noqa: F401  (TMP_MARKER: part of the layout)
+from common.fs import TMP_MARKER, atomic_write, shard_verify_default, url_to_fs as _fs  # noqa: F401  (TMP_MARKER: part of the layout)
 from common.text import utf8_text as text_uri
 
 log = logging.getLogger(__name__)
@@ -232,6 +232,12 @@ def missing_manifest_hint(directory: str | os.PathLike) -> str:
             f"--output {directory}")
 
 
+# Shards this process has hashed and found right: (path, manifest sha256) -> the file's identity
+# (size, mtime, inode) then. A ShardSet made again for the same files (a read task, a new
+# epoch's loader) does not hash them again unless they changed.
+_VERIFIED: dict[tuple[str, str], tuple] = {}
+
+
 class ShardSet:
     """Read a shard set written by ``prepare``: memory-mapped random access and streaming.
 
@@ -239,8 +245,13 @@ class ShardSet:
         directory: the shard set directory (local path or fsspec URL). Local shards
             are memory-mapped; remote ones are read into memory when opened.
         honour_removed: skip the keys listed in ``removed.jsonl`` (default True).
-        verify: check each shard's sha256 against the manifest when it is first opened, so
-            that a corrupt or tampered shard fails with a clear error instead of being read.
+        verify: check each shard's sha256 against the manifest before its first read in
+            this process, so that a corrupt or tampered shard (labels rewritten after
+            ``prepare``) fails with a clear error instead of being trained on. Default: on,
+            unless ``VITSCALE_SKIP_SHARD_VERIFY=1``.
+        verified: ``{shard index: identity}`` from :meth:`verified_shards` of a copy that
+            already checked them (a driver handing shards to its read tasks): an unchanged
+            file is not hashed again. A pickled ShardSet carries its own.
 
     ``len(ss)``/``ss.num_rows`` counts the rows that survive ``removed.jsonl``,
     ``ss[i]`` returns the i-th of them as a dict, and :meth:`iter_batches`
@@ -248,9 +259,11 @@ class ShardSet:
     without them, so it can be handed to data-loader workers.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, honour_removed: bool = True, verify: bool = False):
+    def __init__(self, directory: str | os.PathLike, *, honour_removed: bool = True, verify: bool | None = None,
+                 verified: Mapping[int, tuple] | None = None):
         self.directory = str(directory)
-        self._verify = verify
+        self._verify = shard_verify_default() if verify is None else verify
+        self._verified: dict[int, tuple] = dict(verified or {})
         self._fs, self._root = _fs(directory)
         self._local = type(self._fs).__name__ == "LocalFileSystem"
         path = f"{self._root}/{MANIFEST}"
@@ -312,7 +325,7 @@ class ShardSet:
         if table is None:
             path = self.shard_path(i)
             if self._verify:
-                self._check_sha256(i)
+                self._ensure_verified(i)
             try:
                 if self._local:
                     source = pa.memory_map(os.fsencode(path), "r")  # bytes: a folder name need not be UTF-8
@@ -367,10 +380,50 @@ class ShardSet:
             name = entry["path"]
             if not self._fs.exists(path):
                 raise ShardSetError(f"{name}: listed in the manifest but missing; re-run prepare")
+            ident = self._identity(i)
             self._check_sha256(i)
+            if ident is not None:
+                self._verified[i] = _VERIFIED[(path, entry["sha256"])] = ident
             rows = self.open_shard(i).num_rows
             if rows != int(entry["rows"]):
                 raise ShardSetError(f"{name}: {rows} rows, manifest says {entry['rows']}; re-run prepare")
+
+    def _identity(self, i: int) -> tuple | None:
+        path = self.shard_path(i)
+        try:
+            if self._local:
+                st = os.stat(os.fsencode(path))
+                return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+            info = self._fs.info(path)
+        except FileNotFoundError:
+            return None
+        stamp = next((info[k] for k in ("mtime", "LastModified", "updated", "ETag", "etag") if info.get(k)), None)
+        return (info.get("size"), str(stamp)) if stamp is not None else None
+
+    def _ensure_verified(self, i: int) -> None:
+        """Hash shard ``i`` unless this copy or this process already found the unchanged file right."""
+        ident = self._identity(i)
+        key = (self.shard_path(i), self.shards[i]["sha256"])
+        if ident is not None and ident in (self._verified.get(i), _VERIFIED.get(key)):
+            self._verified[i] = ident
+            return
+        self._check_sha256(i)
+        if ident is not None:
+            self._verified[i] = _VERIFIED[key] = ident
+
+    @property
+    def verifies(self) -> bool:
+        """Whether this copy checks each shard's sha256 before its first read."""
+        return self._verify
+
+    def verified_shards(self) -> dict[int, tuple]:
+        """The shards this copy has checked, for ``ShardSet(..., verified=...)`` in another process."""
+        return dict(self._verified)
+
+    def verify_shards(self, shard_indices: Sequence[int] | None = None) -> None:
+        """Check the sha256 of these shards (default: all) now, unless already done for unchanged files."""
+        for i in range(len(self.shards)) if shard_indices is None else shard_indices:
+            self._ensure_verified(i)
 
     def _check_sha256(self, i: int) -> None:
         entry = self.shards[i]
