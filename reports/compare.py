@@ -293,6 +293,9 @@ def dedup_section(runs: list[Run]) -> dict:
         else:
             continue
         test_sets.update(counts)
+        # Counts, not measurements: MLflow keeps them as floats, and 0.0 printed as "0.000" images.
+        total = None if total is None else int(total)
+        exact = None if exact is None else int(exact)
         rows.append({"run": r, "shard_set": set_name(r), "counts": counts, "exact": exact, "total": total})
     return {"rows": rows, "test_sets": sorted(test_sets)}
 

@@ -139,3 +139,20 @@ def test_a_resumed_shorter_schedule_is_not_called_run_to_run_variation(home):
     assert [r.id for r in pre.runs][:2] == [full, boxed]
     assert "run-to-run variation" in pre.verdict and "not run-to-run variation" in pre.verdict
     assert "steps 24 vs 12 of 24 planned" in pre.verdict and "resumed from a checkpoint: no vs yes" in pre.verdict
+
+
+def test_a_dedup_run_that_found_nothing_counts_whole_images_and_no_column_is_named_twice(home):
+    import re
+
+    log("dedup", {"shards": "/data/shards/corpus", "test_set": '["pets=/data/pets/test"]'},
+        {"new_removals": 0, "rows_scanned": 0, "removed.pets": 0})
+    params = {"data": "/d/corpus", "steps": "24"}
+    log("pretrain", params, {"holdout_accuracy": 0.6, "steps": 24}, tags=_manifest("b"))
+    log("pretrain", {**params, "steps": "12"}, {"holdout_accuracy": 0.5, "steps": 12}, tags=_manifest("b"))
+    store = open_store(tracking.tracking_uri())
+    page = html.render(compare.build(store, compare.selection(store, [], [])), {}, store_uri="x", selection="all")
+    assert "0.000" not in page
+    for head in re.findall(r"<tr>((?:<th[^>]*>.*?</th>)+)</tr>", page):
+        names = re.findall(r"<th[^>]*>(.*?)</th>", head)
+        assert len(names) == len(set(names)), names
+    assert "steps (param)" in page
