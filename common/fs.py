@@ -177,3 +177,30 @@ def irregular_file(url: str) -> str | None:
         return irregular_reason(os.stat(path))
     except (OSError, ValueError):
         return None
+
+
+def normalize_root(root: str) -> str:
+    """An allowed-roots entry in the form :func:`within_roots` compares: a resolved local path, or the URL."""
+    local = local_target(root) if "::" not in str(root) else None
+    if local is not None:
+        return os.path.realpath(os.path.expanduser(local)).rstrip("/") or "/"
+    return str(root).rstrip("/")
+
+
+def within_roots(url: str, roots) -> bool:
+    """Whether ``url`` reads only under one of ``roots`` (normalised by :func:`normalize_root`).
+
+    A local file is judged by its real path, symlinks and ``..`` resolved, so a folder's
+    symlink to /etc/passwd is outside a root that holds the link. Of an fsspec chain
+    (``simplecache::file:///x``, ``tar://m::/data/a.tar``) the last link is what is read from
+    storage, and is judged. A remote URL must start with a URL root and hold no ``..``.
+    """
+    link = str(url).rsplit("::", 1)[-1]
+    local = local_target(link)
+    if local is not None:
+        path = os.path.realpath(os.path.expanduser(local))
+    else:
+        path = link.rstrip("/")
+        if "/../" in path + "/" or "/./" in path + "/":
+            return False
+    return any(path == r or path.startswith(r if r.endswith("/") else r + "/") for r in roots)

@@ -6,6 +6,7 @@ import os
 from typing import Literal
 
 from common.config import check, parse_named
+from common.fs import normalize_root
 
 from pipelines.decode import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_MEGAPIXELS
 
@@ -73,6 +74,13 @@ class PrepareConfig:
         default=32, metadata={"help": "quarantine images whose shorter side is below this many pixels"}
     )
     shard_mb: float = dataclasses.field(default=256.0, metadata={"help": "target shard size in MB"})
+    allowed_roots: list[str] = dataclasses.field(
+        default_factory=list,
+        metadata={"help": "read corpus items only under these folders or URL prefixes (repeat for several): manifest "
+                          "rows, symlinks and archives elsewhere are quarantined as outside_allowed_roots. Without it a "
+                          "manifest can name any file this job can read; set it when ingesting manifests you did "
+                          "not write"},
+    )
     label_map: str | None = dataclasses.field(
         default=None,
         metadata={"help": "JSON file of label name -> id (or a list of names, id = position); items with other "
@@ -134,8 +142,15 @@ class PrepareConfig:
         check(not (self.runner == "dask" and self.isolate_decoder), "isolate_decoder",
               "is not supported with --runner dask: it needs Beam's dead-letter output, which Beam's DaskRunner "
               "routes wrongly (pipelines/dask_runner.py); leave it off or use the DirectRunner")
+        for root in self.allowed_roots:
+            check(isinstance(root, str) and bool(root.strip()) and not root.startswith("-"), "allowed_roots",
+                  f"{root!r}: expected a folder or URL prefix")
         for opt in self.beam_options:
             check(opt.startswith("--"), "beam_options", f"{opt!r}: expected --name=value")
+
+    def roots(self) -> tuple[str, ...] | None:
+        """``allowed_roots`` normalised for :func:`common.fs.within_roots`, or None (no restriction)."""
+        return tuple(normalize_root(r) for r in self.allowed_roots) if self.allowed_roots else None
 
     def test_sets(self) -> dict[str, str]:
         """``--test-set`` as an ordered mapping name -> source."""

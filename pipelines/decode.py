@@ -54,6 +54,7 @@ REASONS = (
     "unknown_label",  # a label that the given label map does not list
     "unreadable",  # the source could not be read (missing file, bad archive member)
     "not_a_regular_file",  # a FIFO, device, socket or /proc entry: refused from its stat, never opened
+    "outside_allowed_roots",  # --allowed-roots is set and the item (its real path) lies under none of them
     "corrupt_archive",  # a tar archive that cannot be read to the end
     "bad_manifest_row",  # a manifest row without a usable uri
     "unexpected_error",  # the dead-letter path: any other exception, with its type and message

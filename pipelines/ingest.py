@@ -137,7 +137,8 @@ def load_label_map(path: str) -> dict[str, int]:
 
 # -- pipeline steps (module-level so they pickle by reference) ---------------------------------
 
-def _read_unit(unit: Unit, max_bytes: int | None = None, progress_dir: str | None = None) -> Iterator[Any]:
+def _read_unit(unit: Unit, max_bytes: int | None = None, progress_dir: str | None = None,
+               allowed_roots: tuple[str, ...] | None = None) -> Iterator[Any]:
     """A unit's items, one at a time, then a quarantine row for the rest if reading it fails.
 
     Streamed: only the item being handed on is held, so memory follows one file of at
@@ -152,7 +153,7 @@ def _read_unit(unit: Unit, max_bytes: int | None = None, progress_dir: str | Non
     try:
         # Files come with a reader (their bytes are read by the step that decodes them), archive
         # members with their bytes: either way one item's bytes at a time.
-        for item in expand(unit, max_bytes=max_bytes):
+        for item in expand(unit, max_bytes=max_bytes, allowed_roots=allowed_roots):
             n += 1
             inputs.inc()
             progress.count(progress_dir, inputs=1)
@@ -383,7 +384,8 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
     # duplicate or shard row) and Filters split them. Failures are caught per element into
     # rejected rows (reason unexpected_error: the dead letter), never routed by tagged outputs.
     max_bytes = int(cfg.max_file_mb * 1e6)
-    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes, progress_dir)
+    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes, progress_dir,
+                                                                      cfg.roots())
     inputs = _count_row((read,), "Inputs", "inputs")
     read_kinds = _split(read, "Read", ("item", "rejected"))
 

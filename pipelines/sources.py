@@ -46,7 +46,7 @@ import tarfile
 from typing import Callable, Iterator
 
 from common.config import InputError
-from common.fs import irregular_file, irregular_reason, is_local, local_target, url_to_fs
+from common.fs import irregular_file, irregular_reason, is_local, local_target, url_to_fs, within_roots
 from pipelines.decode import DEFAULT_MAX_FILE_MB, BadImage
 from pipelines.schema import MANIFEST, text_uri
 
@@ -149,12 +149,21 @@ def _open_local(url: str, path: str, max_bytes: int | None):
         raise
 
 
-def _read_url(url: str, max_bytes: int | None = None) -> bytes:
+def _refuse_outside(url: str, allowed_roots: tuple[str, ...] | None) -> None:
+    if allowed_roots is not None and not within_roots(url, allowed_roots):
+        raise BadImage("outside_allowed_roots", text_uri(
+            f"{url}: not under --allowed-roots ({', '.join(allowed_roots)}); not read"))
+
+
+def _read_url(url: str, max_bytes: int | None = None, allowed_roots: tuple[str, ...] | None = None) -> bytes:
     try:
         import fsspec
 
+        _refuse_outside(url, allowed_roots)
         _refuse_irregular(url)
         local = local_target(url) if "::" not in url else None
+        if local is not None and allowed_roots is not None:
+            local = os.path.realpath(local)  # the path that was checked, not a symlink that may change
         with (_open_local(url, local, max_bytes) if local is not None else fsspec.open(url, "rb")) as f:
             limit = max_bytes
             if local is not None and limit is not None:
@@ -366,31 +375,39 @@ def _plan_manifest(fs, path: str, files_per_unit: int) -> list[Unit]:
     return units
 
 
-def expand(unit: Unit, *, max_bytes: int | None = None) -> Iterator[SourceItem]:
+def expand(unit: Unit, *, max_bytes: int | None = None,
+           allowed_roots: tuple[str, ...] | None = None) -> Iterator[SourceItem]:
     """The items of one unit. Items of ``files`` units read lazily; archive members are read as the archive streams.
 
     A file or member of more than ``max_bytes`` bytes becomes an item with the error
-    ``too_large`` instead of being read whole (``None``: no limit).
+    ``too_large`` instead of being read whole (``None``: no limit). With ``allowed_roots``
+    (normalised by :func:`common.fs.normalize_root`), a file or archive whose real path lies
+    under none of them becomes an ``outside_allowed_roots`` item and is not opened.
     """
     if unit.kind == "error":
         yield SourceItem(text_uri(unit.uris[0]), error=unit.error)
     elif unit.kind == "files":
         for uri, labels in zip(unit.uris, unit.labels):
             # A picklable reader: the bytes are read where the item is processed, one file at a time.
-            yield SourceItem(text_uri(uri), _text_labels(labels), reader=functools.partial(_read_url, uri, max_bytes))
+            yield SourceItem(text_uri(uri), _text_labels(labels), reader=functools.partial(_read_url, uri, max_bytes, allowed_roots))
     elif unit.kind == "tar":
-        yield from _expand_tar(unit.uris[0], unit.labels[0], max_bytes)
+        yield from _expand_tar(unit.uris[0], unit.labels[0], max_bytes, allowed_roots)
     elif unit.kind == "shard":
         yield from _expand_shard(unit.uris[0], unit.index)
     else:
         raise ValueError(f"unknown unit kind {unit.kind!r}")
 
 
-def _expand_tar(url: str, default_labels: tuple[str, ...], max_bytes: int | None = None) -> Iterator[SourceItem]:
+def _expand_tar(url: str, default_labels: tuple[str, ...], max_bytes: int | None = None,
+                allowed_roots: tuple[str, ...] | None = None) -> Iterator[SourceItem]:
     members = 0
     try:
         import fsspec
 
+        if allowed_roots is not None and not within_roots(url, allowed_roots):
+            yield SourceItem(text_uri(url), _text_labels(default_labels), error=("outside_allowed_roots", text_uri(
+                f"{url}: not under --allowed-roots ({', '.join(allowed_roots)}); not read")))
+            return
         why = irregular_file(url)
         if why:
             yield SourceItem(text_uri(url), _text_labels(default_labels), error=(

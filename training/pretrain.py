@@ -687,13 +687,14 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
+    from training.loopback_torch import LoopbackTorchConfig
 
     from common import tracking
     from common.fs import atomic_open, atomic_write, make_output_dir
     from common.jobenv import durable_path
     from pipelines.schema import MANIFEST, ShardSet, file_sha256
     from training.data import holdout_mask, shard_keys
-    from training.ray_utils import ProgressBoard, init_ray
+    from training.ray_utils import ProgressBoard, check_resume_snapshot, init_ray
 
     data = Path(cfg.data).expanduser()
     if not (data / MANIFEST).is_file():
@@ -711,6 +712,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     steps_per_epoch, total_steps = plan_steps(cfg, train_rows, cfg.num_workers)
     cfg = dataclasses.replace(cfg, output=str(output))
     storage_path, storage_fs = _storage(cfg, output)
+    check_resume_snapshot(storage_path, cfg.run_name, storage_fs)
     output = make_output_dir(output)
     init_ray(cfg.ray_address)
 
@@ -745,6 +747,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 "progress": board,
             },
             datasets=datasets,
+            torch_config=LoopbackTorchConfig(),
             scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                          resources_per_worker=resources),
             run_config=RunConfig(

@@ -55,8 +55,10 @@ def _loopback_node() -> None:
     this start spawns are given the node address, so they follow. A single-node
     start never needs another machine to reach it.
 
-    Not covered: with several Ray Train workers, torch's rendezvous store on rank 0
-    listens on every interface (torch 2.13 has no bind address for it).
+    With several Ray Train workers, torch's rendezvous store on rank 0 would listen on every
+    interface (torch 2.13 has no bind address for it): pre-training passes
+    :class:`training.loopback_torch.LoopbackTorchConfig`, which uses a FileStore instead on
+    this node.
     """
     from ray._private import ray_constants
 
@@ -87,3 +89,75 @@ class ProgressBoard:
     def take(self) -> list[dict]:
         rows, self._rows = self._rows, []
         return rows
+
+
+# Ray Train 2.x's record of a run's checkpoints, in the run's folder under the storage path.
+SNAPSHOT = "checkpoint_manager_snapshot.json"
+_SNAPSHOT_NAME_LISTS = ("validated_checkpoint_dir_names", "timed_out_validation_checkpoint_dir_names",
+                        "failed_validation_checkpoint_dir_names")
+
+
+def _snapshot_dir_names(state: dict) -> list:
+    results = list(state.get("checkpoint_results") or []) + list(state.get("pending_training_results") or [])
+    if state.get("latest_checkpoint_result"):
+        results.append(state["latest_checkpoint_result"])
+    names = [r.get("checkpoint_dir_name") if isinstance(r, dict) else r for r in results]
+    for key in _SNAPSHOT_NAME_LISTS:
+        names += list(state.get(key) or [])
+    return names
+
+
+def _inside_run_dir(name) -> bool:
+    """A checkpoint folder name that stays inside the run's folder once joined to it."""
+    if not isinstance(name, str) or not name or "\x00" in name or "://" in name or "\\" in name:
+        return False
+    if name.startswith("/") or name.startswith("~"):
+        return False
+    parts = name.split("/")
+    return ".." not in parts and all(p not in ("", ".") for p in parts)
+
+
+def check_resume_snapshot(storage_path: str, run_name: str | None, storage_filesystem=None) -> None:
+    """Refuse to resume from a Ray Train snapshot that names a checkpoint folder outside its run.
+
+    Ray Train joins each ``checkpoint_dir_name`` of ``STORAGE/RUN/checkpoint_manager_snapshot.json``
+    to the run's folder and reads, and on eviction (``keep_checkpoints``) deletes, the result. A
+    crafted snapshot with ``/home/me`` or ``../../data`` in it made a resume delete that folder.
+    Every name must be a relative path without ``..``. No run name, or no snapshot: nothing to
+    check. ``storage_filesystem`` is the ``pyarrow.fs`` filesystem given to Ray Train, if any.
+    Raises ConfigError naming the snapshot and the folder.
+    """
+    import json
+    import posixpath
+
+    from common.config import ConfigError
+
+    if not run_name:
+        return
+    run_dir = posixpath.join(str(storage_path).rstrip("/"), run_name)
+    path = posixpath.join(run_dir, SNAPSHOT)
+    try:
+        if storage_filesystem is None:
+            with open(path, "rb") as f:
+                text = f.read()
+        else:
+            import pyarrow.fs
+
+            if storage_filesystem.get_file_info(path).type == pyarrow.fs.FileType.NotFound:
+                return
+            with storage_filesystem.open_input_stream(path) as f:
+                text = f.read()
+    except FileNotFoundError:
+        return
+    try:
+        state = json.loads(text)
+        names = _snapshot_dir_names(state)
+    except (ValueError, AttributeError, TypeError):
+        raise ConfigError(f"run_name {run_name!r}: {path} is not a Ray Train snapshot Ray could have written; "
+                          "delete it (the run then starts from scratch) or choose another --run-name") from None
+    bad = [n for n in names if not _inside_run_dir(n)]
+    if bad:
+        raise ConfigError(
+            f"run_name {run_name!r}: {path} names checkpoint folder {bad[0]!r}, outside the run's folder {run_dir}; "
+            "a resume would read it and could delete it. Delete the snapshot (or the run folder) if you did not "
+            "write it, or choose another --run-name")

@@ -173,3 +173,49 @@ def test_test_sets_get_the_corpus_size_cap_and_are_not_read_past_it(tmp_path, ph
     assert reasons == {"ok.png": None, "huge.png": "too_large"}
     capped = {Path(it.uri).name: it.error for it in iter_items(str(tmp_path / "t"), max_bytes=1000)}
     assert capped["ok.png"][0] == "too_large" and "1100.0 MB" in capped["huge.png"][1]
+
+
+# -- where inputs may come from -----------------------------------------------------------------
+
+@pytest.fixture
+def reaching_manifest(tmp_path, photos, enc, wr):
+    """A manifest under data/ whose rows reach outside it in every way a row can."""
+    data = tmp_path / "data"
+    inside = wr(data / "a" / "in.png", enc(photos["coffee"], "PNG"))
+    outside = wr(tmp_path / "private" / "secret.png", enc(photos["chelsea"], "PNG"))
+    (data / "a" / "link.png").symlink_to(outside)
+    rows = [str(inside), "a/in.png", str(outside), "../private/secret.png", f"file://{outside}",
+            f"simplecache::file://{outside}", str(data / "a" / "link.png")]
+    manifest = data / "m.jsonl"
+    manifest.write_text("".join(json.dumps({"uri": u, "label": "x"}) + "\n" for u in rows))
+    return data, manifest
+
+
+def test_without_allowed_roots_a_manifest_reads_whatever_it_names(reaching_manifest, tmp_path, prepare):
+    _, manifest = reaching_manifest
+    m = prepare(input=[str(manifest)], output=str(tmp_path / "out"), size=32)
+    assert m["counts"]["inputs"] == 7 and m["counts"]["rejected_total"] == 0  # read, then de-duplicated
+
+
+def test_allowed_roots_quarantine_every_row_that_reaches_outside(reaching_manifest, tmp_path, prepare):
+    data, manifest = reaching_manifest
+    out = tmp_path / "out"
+    m = prepare(input=[str(manifest)], output=str(out), size=32, allowed_roots=[str(data)])
+    counts = m["counts"]
+    assert counts["rejected"] == {"outside_allowed_roots": 5}
+    assert counts["written"] == 1 and counts["duplicates"]["corpus"] == 1  # in.png, named twice
+    assert counts["inputs"] == counts["written"] + counts["rejected_total"] + counts["duplicates_total"]
+    details = [r["detail"] for r in _jsonl(out / "quarantine.jsonl")]
+    assert all("--allowed-roots" in d and "not read" in d for d in details)
+
+
+def test_allowed_roots_also_hold_for_folder_symlinks_and_archives(tmp_path, photos, enc, wr, prepare):
+    data = tmp_path / "data"
+    wr(data / "a" / "in.png", enc(photos["coffee"], "PNG"))
+    wr(tmp_path / "elsewhere" / "x.png", enc(photos["chelsea"], "PNG"))
+    with tarfile.open(tmp_path / "elsewhere" / "t.tar", "w") as tf:
+        tf.add(tmp_path / "elsewhere" / "x.png", "x.png")
+    (data / "a" / "out.png").symlink_to(tmp_path / "elsewhere" / "x.png")
+    (data / "b.tar").symlink_to(tmp_path / "elsewhere" / "t.tar")
+    m = prepare(input=[str(data)], output=str(tmp_path / "out"), size=32, allowed_roots=[str(data)])
+    assert m["counts"]["rejected"] == {"outside_allowed_roots": 2} and m["counts"]["written"] == 1
