@@ -160,8 +160,13 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_the_first_completes(tmp_
     deadline = time.monotonic() + 240
     while first.poll() is None and time.monotonic() < deadline and not any(out.glob(".staging-*")):
         time.sleep(0.01)
-    second = _popen(other, out, "--size", "64", "--overwrite")
-    _, err2 = second.communicate(timeout=300)
+    # Held still while the second runs from start to end: the race is then the same on every machine.
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = _popen(other, out, "--size", "64")
+        _, err2 = second.communicate(timeout=300)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     _, err1 = first.communicate(timeout=300)
     assert first.returncode == 0, err1[-2000:]
     assert second.returncode == 2, err2[-2000:]
