@@ -26,7 +26,8 @@ import uuid
 from typing import Any, Iterator, Sequence
 
 from common.config import InputError
-from common.fs import atomic_write, is_local, url_to_fs as _fs
+from common.fs import atomic_write, is_local
+from common.fs import url_to_fs as _fs
 from pipelines import schema
 
 LOCK = ".prepare.lock"

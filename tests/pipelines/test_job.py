@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.ipc as ipc
 import pytest
 
-from pipelines.schema import ShardSet, ShardSetError
+from pipelines.schema import ShardSet
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = str(REPO / "jobs" / "prepare.py")
