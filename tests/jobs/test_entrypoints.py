@@ -125,3 +125,10 @@ def test_an_image_size_the_patch_does_not_divide_is_refused_by_the_config(tmp_pa
     out = run_job("pretrain", "--data", str(tmp_path), "--variant", "Ti/8", "--img-size", "30")
     assert_one_line_exit_2(out, "pretrain", "img_size: 30 is not a multiple of the patch size 8")
     assert "Ray" not in out.stderr
+    # Refused from the flags alone: Ray is not even imported (starting it is what took the 25 s).
+    probe = subprocess.run([sys.executable, "-c", (
+        "import sys\nfrom common.config import ConfigError\nfrom training.pretrain import PretrainConfig\n"
+        "try:\n    PretrainConfig(data='/x', variant='Ti/8', img_size=30)\nexcept ConfigError:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")], cwd=REPO, capture_output=True, text=True,
+        timeout=120)
+    assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
