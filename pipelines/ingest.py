@@ -621,7 +621,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             from pipelines.testsets import build_test_set_index
 
             t_index = time.perf_counter()
-            index = build_test_set_index(test_sets, max_bytes=int(cfg.max_file_mb * 1e6))
+            index = build_test_set_index(test_sets, max_bytes=int(cfg.max_file_mb * 1e6),
+                                         allowed_roots=cfg.roots())
             tracking.log_metrics({"test_set_index_s": time.perf_counter() - t_index, "test_set_images": len(index)})
 
         t0 = time.perf_counter()

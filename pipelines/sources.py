@@ -389,7 +389,8 @@ def expand(unit: Unit, *, max_bytes: int | None = None,
     elif unit.kind == "files":
         for uri, labels in zip(unit.uris, unit.labels):
             # A picklable reader: the bytes are read where the item is processed, one file at a time.
-            yield SourceItem(text_uri(uri), _text_labels(labels), reader=functools.partial(_read_url, uri, max_bytes, allowed_roots))
+            yield SourceItem(text_uri(uri), _text_labels(labels),
+                             reader=functools.partial(_read_url, uri, max_bytes, allowed_roots))
     elif unit.kind == "tar":
         yield from _expand_tar(unit.uris[0], unit.labels[0], max_bytes, allowed_roots)
     elif unit.kind == "shard":
@@ -459,14 +460,15 @@ def _expand_shard(url: str, index: int) -> Iterator[SourceItem]:
             yield SourceItem(row["source"], tuple(names[i] for i in row["labels"]), data=data)
 
 
-def iter_items(source: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES) -> Iterator[SourceItem]:
+def iter_items(source: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES,
+               allowed_roots: tuple[str, ...] | None = None) -> Iterator[SourceItem]:
     """Every item of ``source`` in a deterministic order (see the module docstring for source kinds).
 
     Items come with their bytes loaded (``item.data``); an item that could not be
     read has ``data=None`` and ``error=(reason, detail)``, and ``item.read()``
     raises the matching :class:`~pipelines.decode.BadImage`. A file above ``max_bytes``
-    is not read past it (``too_large``), as in the ingest.
+    is not read past it (``too_large``), and ``allowed_roots`` hold, as in the ingest.
     """
     for unit in plan(source):
-        for item in expand(unit, max_bytes=max_bytes):
+        for item in expand(unit, max_bytes=max_bytes, allowed_roots=allowed_roots):
             yield item.materialize()

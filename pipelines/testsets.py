@@ -33,12 +33,14 @@ def check_sources(test_sets: dict[str, str]) -> None:
             raise SourceError(f"test_set {name}: {exc}") from None
 
 
-def iter_images(source: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES) -> Iterator[Item]:
+def iter_images(source: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES,
+                allowed_roots: tuple[str, ...] | None = None) -> Iterator[Item]:
     """Every image of ``source``, decoded to 8-bit RGB as the ingest decodes it, or its rejection reason.
 
-    A file above ``max_bytes`` is not read past it (``too_large``), the corpus's own cap.
+    A file above ``max_bytes`` is not read past it (``too_large``), the corpus's own cap, and
+    ``allowed_roots`` (``PrepareConfig.roots()``) hold as for the corpus.
     """
-    for raw in iter_items(source, max_bytes=max_bytes):
+    for raw in iter_items(source, max_bytes=max_bytes, allowed_roots=allowed_roots):
         try:
             img = decode_image(raw.read(), uri=raw.uri)
         except BadImage as exc:
@@ -47,15 +49,15 @@ def iter_images(source: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES) -> It
             yield Item(raw.key, raw.uri, img, None)
 
 
-def add_source(index: TestSetIndex, test_set: str, source: str, *,
-               max_bytes: int | None = DEFAULT_MAX_BYTES) -> dict[str, int]:
+def add_source(index: TestSetIndex, test_set: str, source: str, *, max_bytes: int | None = DEFAULT_MAX_BYTES,
+               allowed_roots: tuple[str, ...] | None = None) -> dict[str, int]:
     """Index every image of ``source`` not yet indexed under ``test_set``; bad images are quarantined.
 
     Returns counts ``{"seen", "added", "already_indexed", "quarantined"}``.
     """
     counts = {"seen": 0, "added": 0, "already_indexed": 0, "quarantined": 0}
     known_bad = {(q.test_set, q.key) for q in index.quarantine}
-    for item in iter_images(source, max_bytes=max_bytes):
+    for item in iter_images(source, max_bytes=max_bytes, allowed_roots=allowed_roots):
         counts["seen"] += 1
         if index.has_key(test_set, item.key):
             counts["already_indexed"] += 1
@@ -72,7 +74,8 @@ def add_source(index: TestSetIndex, test_set: str, source: str, *,
 
 def build_test_set_index(test_sets: dict[str, str], *, threshold: int | None = None,
                          base: TestSetIndex | None = None,
-                         max_bytes: int | None = DEFAULT_MAX_BYTES) -> TestSetIndex:
+                         max_bytes: int | None = DEFAULT_MAX_BYTES,
+                         allowed_roots: tuple[str, ...] | None = None) -> TestSetIndex:
     """Index every image of each test set (name -> source); bad images are quarantined, not fatal.
 
     ``base`` makes the build incremental: images already in it are skipped and new ones go
@@ -82,5 +85,5 @@ def build_test_set_index(test_sets: dict[str, str], *, threshold: int | None = N
     for name, source in test_sets.items():
         if not name or "=" in name:
             raise ValueError(f"test set name {name!r}: expected a non-empty name without '=' (name=source)")
-        add_source(index, name, source, max_bytes=max_bytes)
+        add_source(index, name, source, max_bytes=max_bytes, allowed_roots=allowed_roots)
     return index

@@ -219,3 +219,13 @@ def test_allowed_roots_also_hold_for_folder_symlinks_and_archives(tmp_path, phot
     (data / "b.tar").symlink_to(tmp_path / "elsewhere" / "t.tar")
     m = prepare(input=[str(data)], output=str(tmp_path / "out"), size=32, allowed_roots=[str(data)])
     assert m["counts"]["rejected"] == {"outside_allowed_roots": 2} and m["counts"]["written"] == 1
+
+
+def test_allowed_roots_hold_for_test_sets_too(reaching_manifest):
+    from common.fs import normalize_root
+    from pipelines.testsets import build_test_set_index
+
+    data, manifest = reaching_manifest
+    index = build_test_set_index({"t": str(manifest)}, allowed_roots=(normalize_root(str(data)),))
+    reasons = sorted(q.reason for q in index.quarantine)
+    assert reasons == ["outside_allowed_roots"] * 5 and len(index) >= 1
