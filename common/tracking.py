@@ -91,19 +91,15 @@ def _local_store_path(uri: str) -> str | None:
 
 
 def tracking_uri() -> str:
-    """The store every job logs to, created (and its schema migrated) if it is a new sqlite file."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if not uri:
-        uri = default_tracking_uri()
-        _ensure_sqlite_store(uri)
-        return uri
+        return default_tracking_uri()
     local = _local_store_path(uri)
     if local is not None and inside_copy(local):
         raise ConfigError(
             f"MLFLOW_TRACKING_URI: {uri!r} would write into Ray's uploaded copy of the working dir, which is "
             f"deleted with the Ray session; {RUNTIME_ENV_HINT}"
         )
-    _ensure_sqlite_store(uri)
     return uri
 
 
@@ -163,6 +159,7 @@ def _use(uri: str) -> None:
     """
     import mlflow
 
+    _ensure_sqlite_store(uri)
     before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     if before is None:

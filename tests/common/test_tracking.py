@@ -225,3 +225,11 @@ def test_jobs_started_together_on_a_new_store_all_succeed(tmp_path):
     client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name(tracking.experiment_name("prepare")).experiment_id])
     assert len(runs) == 4
+
+
+def test_naming_the_store_does_not_create_it(tmp_path, monkeypatch):
+    # The report tells a user with no store to run a stage first; asking for the URI must not make one.
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "none_yet"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri().endswith("/none_yet/mlflow.db")
+    assert not (tmp_path / "none_yet").exists()
