@@ -104,6 +104,34 @@ def tracking_uri() -> str:
     return uri
 
 
+_READY_STORES: set[str] = set()
+
+
+def _ensure_sqlite_store(uri: str) -> None:
+    """Create and migrate a sqlite store once, under a file lock beside it.
+
+    MLflow migrates an empty store from whichever client opens it first; two jobs starting
+    together on a new file both ran the migrations, and the half-migrated store failed every
+    later run (``table metrics already exists``).
+    """
+    if not uri.startswith("sqlite:///") or uri in _READY_STORES:
+        return
+    import fcntl
+
+    db = Path(uri[len("sqlite:///"):]).expanduser().resolve()
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{db}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+            store = SqlAlchemyStore(uri, (db.parent / "artifacts").as_uri())
+            store.engine.dispose()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _READY_STORES.add(uri)
+
+
 def ui_command(uri: str | None = None) -> str:
     """The command that serves the UI on ``uri``. MLflow's GenAI job runner stays off: vitscale
     submits no such jobs, and it would start eight more processes (about 1.1 GB)."""
@@ -132,6 +160,7 @@ def _use(uri: str) -> None:
     """
     import mlflow
 
+    _ensure_sqlite_store(uri)
     before = os.environ.get("MLFLOW_TRACKING_URI")
     mlflow.set_tracking_uri(uri)
     if before is None:

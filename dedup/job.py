@@ -52,7 +52,10 @@ def _load_or_discard(index_dir: Path, threshold: int | None) -> TestSetIndex | N
     try:
         return TestSetIndex.load(index_dir, threshold=threshold)
     except IndexOutdated as exc:
-        print(f"dedup: rebuilding the test-set index: {exc}", file=sys.stderr)
+        # The library's advice (delete it and rebuild) is what this job does itself: say only why.
+        reason = str(exc).split("; delete ", 1)[0]
+        print(f"dedup: the test-set index is outdated ({reason}); rebuilding it from the test-set sources",
+              file=sys.stderr)
         for f in list(index_dir.glob("*.arrow")) + [index_dir / "index.json"]:
             f.unlink()
         return None

@@ -106,6 +106,11 @@ class PrepareConfig:
                           "instead of a dead worker (slower)"},
     )
     parent_run_id: str | None = dataclasses.field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
+    overwrite: bool = dataclasses.field(
+        default=False,
+        metadata={"recipe": False, "help": "replace a shard set of other inputs already in --output (its dedup files "
+                                           "go with it)"},
+    )
 
     def __post_init__(self) -> None:
         check(len(self.input) > 0, "input", "at least one --input source is required")

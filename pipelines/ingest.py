@@ -25,10 +25,11 @@ from counters alone: counters may double-count retried bundles. The job
 refuses to write a manifest when ``inputs != written + rejected + duplicates``.
 
 Output is atomic at two levels: each shard is written as
-``shard-NNNNN.arrow.tmp-<uuid>`` then renamed, and ``manifest.json`` (deleted
-when a run starts, written last) is what makes a shard set visible to
-:class:`pipelines.schema.ShardSet`. A killed run leaves no manifest and no
-half-written file under a shard name; the next run removes its leftovers.
+``shard-NNNNN.arrow.tmp-<uuid>`` under the run's staging folder then renamed,
+and ``manifest.json`` (written last) is what makes a shard set visible to
+:class:`pipelines.schema.ShardSet`. One run writes to a folder at a time, and a
+set already there stays readable until the new one replaces it at the end
+(:mod:`pipelines.output`); the next run removes a killed run's leftovers.
 
 Sharding is deterministic without a global sort: the number of shards is the
 total encoded size over ``shard_mb``, a row's shard is a stable hash of its
@@ -56,6 +57,7 @@ from common.jobenv import durable_path
 from common.progress import TTY_EVERY, IngestProgress, ProgressLine, Ticker
 from pipelines import local_runner, schema, worker_counts
 from pipelines.config import PrepareConfig
+from pipelines.output import OutputFolder
 from pipelines.process import ProcessOptions, process_item, reject
 from pipelines.sources import SourceError, Unit, expand, plan
 
@@ -600,16 +602,14 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     except OSError as exc:
         raise PrepareError(f"output: cannot create {cfg.output} ({exc}); pass a writable directory") from None
     out_url = fs.unstrip_protocol(root)
-    # A previous manifest is withdrawn first: until this run writes its own,
-    # readers must not pair old metadata with shards this run rewrites.
-    if fs.exists(f"{root}/{schema.MANIFEST}"):
-        fs.rm(f"{root}/{schema.MANIFEST}")
-    _clean_leftovers(fs, root)
 
     params = vconfig.to_dict(cfg)
-    with _engine(cfg, cluster_workers) as engine, \
+    # One writer per folder; the set already there stays readable until swap() (pipelines/output.py).
+    with OutputFolder(cfg.output, cfg.input, overwrite=cfg.overwrite) as folder, \
+            _engine(cfg, cluster_workers) as engine, \
             tracking.start_run("prepare", params=params, parent_run_id=cfg.parent_run_id,
                                run_name=f"prepare {_set_name(cfg.output)}", tags=tracking.run_tags(cfg)) as run:
+        _clean_leftovers(fs, root)
         index = None
         if test_sets:
             from pipelines.testsets import build_test_set_index
@@ -623,7 +623,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         run_cfg = cfg
         for attempt in range(1, MAX_ATTEMPTS + 1):
             staging = f"{root}/.staging-{uuid.uuid4().hex}"
-            fs.makedirs(staging, exist_ok=True)
+            fs.makedirs(f"{staging}/shards", exist_ok=True)
             options = pipeline_options(run_cfg, dask_address=engine.address, partitions=len(units))
             channel = worker_counts.channel_dir(staging, fs)
             line = ProgressLine("prepare")
@@ -632,8 +632,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             try:
                 with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0):
                     with beam.Pipeline(options=options) as p:
-                        build_pipeline(p, units, cfg, label_map, index, out_url, fs.unstrip_protocol(staging),
-                                       channel)
+                        build_pipeline(p, units, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
+                                       fs.unstrip_protocol(staging), channel)
                 watch.finish()
             finally:
                 worker_counts.close(channel)  # the in-process runner's counts file is this process's
@@ -664,16 +664,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         manifest["mlflow_run_id"] = run.info.run_id
         manifest["config"] = params
 
-        atomic_write(f"{root}/{schema.QUARANTINE}", _jsonl(quarantine), fs)
-        atomic_write(f"{root}/{schema.DUPLICATES}", _jsonl(duplicates), fs)
-        keep = {s["path"] for s in manifest["shards"]}
-        for path in fs.glob(f"{root}/shard-*.arrow"):
-            if path.rsplit("/", 1)[-1] not in keep:
-                fs.rm(path)  # a shard of an earlier run with more shards
+        folder.swap(f"{staging}/shards", manifest,
+                    {schema.QUARANTINE: _jsonl(quarantine), schema.DUPLICATES: _jsonl(duplicates)})
+        # With it go the temporary files of workers killed while writing a shard (the task ran again elsewhere).
         fs.rm(staging, recursive=True)
-        # A worker killed while writing a shard leaves its temporary file; the task ran again elsewhere.
-        _clean_leftovers(fs, root)
-        atomic_write(f"{root}/{schema.MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode(), fs)
         written = schema.shard_set_record(out_url)
         tracking.set_tags({tracking.TAG_OUTPUT_MANIFEST: written["manifest_sha256"],
                            tracking.TAG_DEDUP_STATE: written["dedup_state"]})

@@ -211,6 +211,27 @@ def _check_inside(name: Any, manifest: str) -> None:
         )
 
 
+def missing_manifest_hint(directory: str | os.PathLike) -> str:
+    """What to run when ``directory`` has no manifest, with paths that ``prepare`` accepts.
+
+    A folder of source data cannot be its own ``--output`` (prepare refuses an output inside
+    an input), so the suggestion for one is a sibling folder.
+    """
+    fs, root = _fs(directory)
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)] if fs.isdir(root) else []
+    except OSError:
+        names = []
+    data = [n for n in names if not n.startswith(".") and not n.startswith("shard-")
+            and n not in (QUARANTINE, DUPLICATES, REMOVED, DEDUP_STATE)]
+    if data:
+        target = f"{str(directory).rstrip('/')}-shards"
+        return (f"it looks like source data, not a shard set; ingest it with jobs/prepare.py --input {directory} "
+                f"--output {target}, then pass {target}")
+    return (f"this is not a shard set or the prepare run did not complete; run jobs/prepare.py --input SOURCE "
+            f"--output {directory}")
+
+
 # Shards this process has hashed and found right: (path, manifest sha256) -> the file's identity
 # (size, mtime, inode) then. A ShardSet made again for the same files (a read task, a new
 # epoch's loader) does not hash them again unless they changed.
@@ -247,10 +268,7 @@ class ShardSet:
         self._local = type(self._fs).__name__ == "LocalFileSystem"
         path = f"{self._root}/{MANIFEST}"
         if not self._fs.exists(path):
-            raise ShardSetError(
-                f"{self.directory}: no {MANIFEST}; this is not a shard set or the prepare run did not "
-                "complete; run jobs/prepare.py --output to this directory"
-            )
+            raise ShardSetError(f"{self.directory}: no {MANIFEST}; {missing_manifest_hint(self.directory)}")
         with self._fs.open(path, "rt") as f:
             try:
                 self.manifest: dict = json.load(f)

@@ -46,7 +46,7 @@ import tarfile
 from typing import Callable, Iterator
 
 from common.config import InputError
-from common.fs import irregular_file, irregular_reason, local_target, url_to_fs, within_roots
+from common.fs import irregular_file, irregular_reason, is_local, local_target, url_to_fs, within_roots
 from pipelines.decode import DEFAULT_MAX_FILE_MB, BadImage
 from pipelines.schema import MANIFEST, text_uri
 
@@ -247,10 +247,28 @@ class _FileBatcher:
             self.batch = []
 
 
+def _local_tree_files(root: str) -> list[str]:
+    """Every file under a local ``root``, through symlinked folders, each folder walked once.
+
+    fsspec's ``find`` lists a symlinked class folder as one file, which then fails to read.
+    A link back to a folder already walked (a loop) is skipped.
+    """
+    seen: set[tuple[int, int]] = set()
+    files = []
+    for top, dirs, names in os.walk(root, followlinks=True):
+        st = os.stat(top)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        files.extend(f"{top}/{name}" for name in names)
+    return files
+
+
 def _plan_tree(fs, root: str, files_per_unit: int) -> list[Unit]:
     units: list[Unit] = []
     files = _FileBatcher(units, files_per_unit)
-    for path in sorted(fs.find(root, withdirs=False)):
+    for path in sorted(_local_tree_files(root) if is_local(fs) else fs.find(root, withdirs=False)):
         rel = path[len(root):].lstrip("/")
         if not rel or _is_hidden(rel):
             continue

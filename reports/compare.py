@@ -56,10 +56,17 @@ def _fmt(value: float) -> str:
     return f"{value:.3f}" if abs(value) < 100 else f"{value:.4g}"
 
 
+def _digest(run: Run) -> str:
+    """The digest of the manifest(s) a run read: runs are ranked together only when it is the same."""
+    return run.tags.get("vitscale.input_manifest_sha256", "")
+
+
 def _group_key(run: Run) -> str:
+    # Runs on other data or with another objective share no scale: a one-class set scores 1.000.
     p = run.params
     if run.stage == "pretrain":
-        return f"objective {p.get('objective', 'classification')}"
+        name = posixpath.basename(posixpath.normpath(p.get("data") or "?"))
+        return f"objective {p.get('objective', 'classification')} on {name}"
     if run.stage == "finetune":
         name = p.get("dataset")
         if not name or name == "None":
@@ -76,14 +83,15 @@ def _key_metric(stage: str, runs: list[Run]) -> tuple[str, bool, list[str]]:
     prefs = {
         "pretrain": [("holdout_accuracy", True), ("fewshot_10shot_accuracy", True), ("fewshot_5shot_accuracy", True),
                      ("train_accuracy", True), ("train_loss", False)],
-        "finetune": [("test_accuracy", True), ("val_accuracy", True)],
+        # Ranked on the selection metric only: choosing by test accuracy would make it a validation set.
+        "finetune": [("val_accuracy", True)],
         "vtab": [("vtab_mean", True)],
         "fewshot": [("10shot_mean", True), ("5shot_mean", True), ("25shot_mean", True), ("1shot_mean", True)],
     }[stage]
     shown = {
         "pretrain": ["holdout_accuracy", "train_accuracy", "train_loss", "fewshot_10shot_accuracy", "images_per_second",
                      "steps"],
-        "finetune": ["test_accuracy", "val_accuracy", "selected_lr"],
+        "finetune": ["val_accuracy", "test_accuracy", "selected_lr"],
         "vtab": ["vtab_mean", "vtab_natural", "vtab_specialized", "vtab_structured", "lr", "steps"],
         "fewshot": ["1shot_mean", "5shot_mean", "10shot_mean", "25shot_mean"],
     }[stage]
@@ -115,10 +123,13 @@ def _compared(run: Run, lineage: LineageIndex, store: Store) -> dict[str, str]:
 def rank(store: Store, runs: list[Run], lineage: LineageIndex) -> list[Ranking]:
     out = []
     for stage in ("pretrain", "finetune", "vtab", "fewshot"):
-        groups: dict[str, list[Run]] = {}
+        by_data: dict[tuple[str, str], list[Run]] = {}
         for r in runs:
             if r.stage == stage and r.status == "FINISHED":
-                groups.setdefault(_group_key(r), []).append(r)
+                by_data.setdefault((_group_key(r), _digest(r) if stage in ("pretrain", "finetune") else ""), []).append(r)
+        names = [k for k, _ in by_data]
+        # One folder name for two data sets: the title tells them apart by the manifest's digest.
+        groups = {(f"{k} (manifest {d[:12]})" if d and names.count(k) > 1 else k): m for (k, d), m in by_data.items()}
         for key, members in groups.items():
             metric, higher, shown = _key_metric(stage, members)
             missing = float("-inf") if higher else float("inf")
@@ -127,12 +138,46 @@ def rank(store: Store, runs: list[Run], lineage: LineageIndex) -> list[Ranking]:
             names = sorted({n for v in values.values() for n in v})
             differing = [n for n in names if len({values[r.id].get(n, "—") for r in members}) > 1]
             same = {n: values[members[0].id][n] for n in names if n not in differing and n in values[members[0].id]}
+            verdict = _verdict(members, metric, higher, differing, values,
+                               schedule=_schedule_notes(members, store) if len(members) > 1 else [])
             out.append(Ranking(stage, f"{stage} {key}".strip(), metric, higher, members, shown, differing, values,
-                               same, _verdict(members, metric, higher, differing, values)))
+                               same, verdict))
     return out
 
 
-def _verdict(runs: list[Run], metric: str, higher: bool, differing: list[str], values: dict) -> str:
+def _schedule_notes(runs: list[Run], store: Store) -> list[str]:
+    """How the best two runs' schedules differ: steps run and planned, and resumption.
+
+    Params cannot tell: a time-boxed submission (``stop_after``) and its resumption share them.
+    """
+    best, second = runs[0], runs[1]
+    notes = []
+
+    def steps(r: Run) -> str:
+        done, planned = r.metrics.get("steps"), r.metrics.get("planned_steps")
+        if done is None:
+            return "?"
+        return f"{done:.0f}" + (f" of {planned:.0f} planned" if planned is not None and planned != done else "")
+
+    if steps(best) != steps(second):
+        notes.append(f"steps {steps(best)} vs {steps(second)}")
+
+    def resumed(r: Run) -> bool:
+        name = r.params.get("run_name")
+        if r.metrics.get("restarts", 0) > 0:
+            return True
+        return bool(name and name != "None" and any(
+            o.params.get("run_name") == name and o.stage == r.stage and o.start < r.start and o.id != r.id
+            for o in store.runs.values()))
+
+    flags = [resumed(best), resumed(second)]
+    if any(flags):
+        notes.append("resumed from a checkpoint: " + " vs ".join("yes" if f else "no" for f in flags))
+    return notes
+
+
+def _verdict(runs: list[Run], metric: str, higher: bool, differing: list[str], values: dict, *,
+             schedule: list[str] = ()) -> str:
     if len(runs) == 1:
         return f"One run ({runs[0].label}); nothing to rank it against."
     best, second = runs[0], runs[1]
@@ -143,13 +188,19 @@ def _verdict(runs: list[Run], metric: str, higher: bool, differing: list[str], v
     head = (f"{best.label} is best on {metric}: {_fmt(b)}"
             + (f" against {_fmt(s)} for the runner-up {second.label} ({'+' if b >= s else ''}{_fmt(b - s)})."
                if s is not None else "."))
+    if metric == "val_accuracy" and "test_accuracy" in best.metrics:
+        head += f" Its result, test_accuracy, is {_fmt(best.metrics['test_accuracy'])}."
     diffs = [n for n in differing if values[best.id].get(n) != values[second.id].get(n)]
+    when = f" Their schedules differ: {'; '.join(schedule)}." if schedule else ""
+    if not diffs and schedule:
+        return head + " The two share every param and input, but not the schedule, so the gap is not run-to-run " \
+                      f"variation: {'; '.join(schedule)}."
     if not diffs:
         return head + (" The two share every param and input, so the gap is run-to-run variation "
                        "(seeding, data order, scheduling), not a setting.")
     shown = "; ".join(f"{n} {values[best.id].get(n, '—')} vs {values[second.id].get(n, '—')}" for n in diffs[:8])
     more = f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""
-    return f"{head} It differs from the runner-up in: {shown}{more}."
+    return f"{head} It differs from the runner-up in: {shown}{more}.{when}"
 
 
 def pretrain_section(store: Store, runs: list[Run]) -> dict:
@@ -242,6 +293,9 @@ def dedup_section(runs: list[Run]) -> dict:
         else:
             continue
         test_sets.update(counts)
+        # Counts, not measurements: MLflow keeps them as floats, and 0.0 printed as "0.000" images.
+        total = None if total is None else int(total)
+        exact = None if exact is None else int(exact)
         rows.append({"run": r, "shard_set": set_name(r), "counts": counts, "exact": exact, "total": total})
     return {"rows": rows, "test_sets": sorted(test_sets)}
 

@@ -73,7 +73,9 @@ def none(text: str) -> str:
 
 def _ranking(r: Ranking) -> str:
     best = r.values[r.runs[0].id]
-    head = ["#", "run", "experiment"] + r.shown_metrics + r.differing
+    # A param named like a shown metric (steps: planned vs run) gets its own header, not a second "steps".
+    head = ["#", "run", "experiment"] + r.shown_metrics + [
+        f"{n} (param)" if n in r.shown_metrics else n for n in r.differing]
     rows, classes = [], []
     for i, run in enumerate(r.runs):
         cells = [td(i + 1, numeric=True), run_cell(run), td(run.experiment)]

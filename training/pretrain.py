@@ -98,6 +98,14 @@ class PretrainConfig:
         check(self.microbatch is None or per_worker % self.microbatch == 0, "microbatch",
               f"{self.microbatch} does not divide the per-worker batch {per_worker} "
               f"(batch_size {self.batch_size} / {self.num_workers} workers); pick a divisor of {per_worker}")
+        from vitcore.variants import decode_variant
+
+        try:
+            patch = decode_variant(self.variant)["patch_size"]
+        except ValueError as exc:
+            raise ConfigError(f"variant: {exc}") from None
+        check(self.img_size % patch == 0, "img_size", f"{self.img_size} is not a multiple of the patch size {patch} "
+              f"of {self.variant}; use e.g. {patch * max(1, round(self.img_size / patch))}")
         check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")

@@ -2,7 +2,7 @@
 # A Ray head on this machine, bound to 127.0.0.1 with token auth, for `ray job submit`.
 #
 #   infra/ray/local-cluster.sh start [--temp-dir DIR] [--num-cpus N] [--num-gpus N]
-#                                    [--port 6379] [--dashboard-port 8265]
+#                                    [--port 6379] [--dashboard-port 8265] [--agent-port PORT]
 #   infra/ray/local-cluster.sh stop  [--temp-dir DIR]
 #   infra/ray/local-cluster.sh token
 #
@@ -25,6 +25,7 @@ num_cpus="$(getconf _NPROCESSORS_ONLN)"
 num_gpus=0
 port=6379
 dash_port=8265
+agent_port=""
 while (($#)); do
   [[ $# -ge 2 ]] || die "$1 needs a value"
   case "$1" in
@@ -33,11 +34,15 @@ while (($#)); do
     --num-gpus) num_gpus="$2" ;;
     --port) port="$2" ;;
     --dashboard-port) dash_port="$2" ;;
+    --agent-port) agent_port="$2" ;;
     *) die "unknown option '$1'; see infra/ray/local-cluster.sh --help" ;;
   esac
   shift 2
 done
-for v in num_cpus num_gpus port dash_port; do
+# Ray's job agent listens on 52365 unless told otherwise: a second head on the machine (another
+# user's, or a test's) then has no agent, and every submission to it fails. Default to a free port.
+[[ -n "$agent_port" ]] || agent_port="$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+for v in num_cpus num_gpus port dash_port agent_port; do
   [[ "${!v}" =~ ^[0-9]+$ ]] || die "--${v//_/-} must be a whole number, got '${!v}'"
 done
 temp_dir="$(python3 -c 'import os, sys; print(os.path.abspath(sys.argv[1]))' "$temp_dir")"
@@ -116,6 +121,7 @@ ensure_token >/dev/null
 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 setsid "$ray_bin" start --head --block \
   --node-ip-address=127.0.0.1 --port="$port" \
   --dashboard-host=127.0.0.1 --dashboard-port="$dash_port" --include-dashboard=true \
+  --dashboard-agent-listen-port="$agent_port" \
   --num-cpus="$num_cpus" --num-gpus="$num_gpus" \
   --temp-dir="$temp_dir" --disable-usage-stats >"$log_file" 2>&1 &
 echo $! >"$pid_file"
@@ -138,6 +144,50 @@ for _ in $(seq 120); do
   sleep 1
 done
 ((up)) || die "the dashboard did not answer on $address within 120 s; log: $log_file (stop with: $0 stop --temp-dir $temp_dir)"
+
+# The dashboard answers before the head's job agent has registered, and a submission then fails
+# with "No available agent to submit job". Wait until one is accepted: a no-op job, deleted again.
+agent_ready() {
+  "$env_bin/python" - "$address" <<'PY'
+import sys, time
+from ray.job_submission import JobStatus, JobSubmissionClient
+
+PROBE = "local-cluster-probe-"
+DONE = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED)
+deadline, last, n = time.monotonic() + 120, "", 0
+while time.monotonic() < deadline:
+    n += 1
+    try:
+        client = JobSubmissionClient(sys.argv[1])
+        job = client.submit_job(entrypoint="true", submission_id=f"{PROBE}{n}",
+                                metadata={"vitscale": "local-cluster.sh readiness probe"})
+    except Exception as exc:  # noqa: BLE001 - 500 "No available agent" until the agent is up
+        last = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        time.sleep(1)
+        continue
+    while client.get_job_status(job) not in DONE:
+        if time.monotonic() > deadline + 60:
+            print(f"the probe job {job} did not finish", file=sys.stderr)
+            sys.exit(1)
+        time.sleep(0.5)
+    # Deleted until none comes back: an attempt the head half-accepted before its agent was up is
+    # listed as FAILED, and a probe deleted before its supervisor actor exits reappears as FAILED.
+    quiet, end = 0, time.monotonic() + 30
+    while quiet < 3 and time.monotonic() < end:
+        probes = [d for d in client.list_jobs() if (d.submission_id or "").startswith(PROBE)]
+        for d in probes:
+            if d.status in DONE:
+                client.delete_job(d.submission_id)
+        quiet = 0 if probes else quiet + 1
+        time.sleep(1)
+    sys.exit(0)
+print(last, file=sys.stderr)
+sys.exit(1)
+PY
+}
+agent_ready 2>"$temp_dir/agent-probe.err" \
+  || die "the job agent did not accept a submission within 120 s ($(tail -n 1 "$temp_dir/agent-probe.err")); log: $log_file (stop with: $0 stop --temp-dir $temp_dir)"
+rm -f "$temp_dir/agent-probe.err"
 
 # Leave CPUs free for Ray Data: training workers that reserve every CPU stall its tasks.
 if ((num_gpus > 0)); then

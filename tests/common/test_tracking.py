@@ -192,3 +192,44 @@ def test_one_recipe_run_into_two_folders_has_one_hash():
     tags = tracking.run_tags(here)
     assert {"output", "storage_path", "run_name", "data"} <= set(tags[tracking.TAG_NOT_RECIPE].split(","))
     assert "lr" not in tags[tracking.TAG_NOT_RECIPE].split(",")
+
+
+_START_TOGETHER = """
+import sys, time
+from common import tracking
+import mlflow.store.tracking.sqlalchemy_store  # loaded before the start line: all reach the store at once
+start = float(sys.argv[1])
+while time.time() < start:
+    time.sleep(0.001)
+with tracking.start_run("prepare", params={"i": sys.argv[2]}):
+    tracking.log_metrics({"x": 1.0})
+"""
+
+
+def test_jobs_started_together_on_a_new_store_all_succeed(tmp_path):
+    # Each process would otherwise run MLflow's migrations on the one new sqlite file.
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    home = tmp_path / "fresh_home"
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")}
+    env.update(VITSCALE_HOME=str(home), PYTHONPATH=str(REPO))
+    start = time.time() + 8
+    procs = [subprocess.Popen([sys.executable, "-c", _START_TOGETHER, str(start), str(i)], cwd=REPO, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(4)]
+    outputs = [p.communicate(timeout=180)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * 4, "\n".join(o[-600:] for o in outputs)
+    client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(tracking.experiment_name("prepare")).experiment_id])
+    assert len(runs) == 4
+
+
+def test_naming_the_store_does_not_create_it(tmp_path, monkeypatch):
+    # The report tells a user with no store to run a stage first; asking for the URI must not make one.
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "none_yet"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri().endswith("/none_yet/mlflow.db")
+    assert not (tmp_path / "none_yet").exists()

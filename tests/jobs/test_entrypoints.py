@@ -113,3 +113,22 @@ def test_an_output_that_is_a_file_is_one_line_exit_2(name, tiny_shards, tmp_path
     out = run_job(name, *data, "--output", str(output))
     assert_one_line_exit_2(out, name, f"output: {output} is an existing file; give a directory")
     assert output.read_text() == "an existing file"
+
+
+def test_an_image_size_the_patch_does_not_divide_is_refused_by_the_config(tmp_path):
+    # It used to reach the model inside Ray's workers: 25 s, exit 1 and 68 lines.
+    from common.config import ConfigError
+    from training.pretrain import PretrainConfig
+
+    with pytest.raises(ConfigError, match="img_size: 30 is not a multiple of the patch size 8 of Ti/8; use e.g. 32"):
+        PretrainConfig(data=str(tmp_path), variant="Ti/8", img_size=30)
+    out = run_job("pretrain", "--data", str(tmp_path), "--variant", "Ti/8", "--img-size", "30")
+    assert_one_line_exit_2(out, "pretrain", "img_size: 30 is not a multiple of the patch size 8")
+    assert "Ray" not in out.stderr
+    # Refused from the flags alone: Ray is not even imported (starting it is what took the 25 s).
+    probe = subprocess.run([sys.executable, "-c", (
+        "import sys\nfrom common.config import ConfigError\nfrom training.pretrain import PretrainConfig\n"
+        "try:\n    PretrainConfig(data='/x', variant='Ti/8', img_size=30)\nexcept ConfigError:\n    pass\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")], cwd=REPO, capture_output=True, text=True,
+        timeout=120)
+    assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr

@@ -317,7 +317,7 @@ def test_the_local_cluster_listens_on_loopback_only_and_is_stopped(corpus, direc
 
 
 def test_a_run_that_cannot_complete_fails_loudly_and_shows_no_partial_shard(cluster, corpus, tmp_path):
-    """A shard writer that cannot rename its file (a folder sits under the shard's name) fails the run."""
+    """A shard that cannot be moved into place (a folder sits under its name) fails the run, with no manifest."""
     import pyarrow.ipc as ipc
 
     out = tmp_path / "out"

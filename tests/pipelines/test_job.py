@@ -9,10 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.ipc as ipc
 import pytest
 
-from pipelines.schema import ShardSet, ShardSetError
+from pipelines.schema import ShardSet
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = str(REPO / "jobs" / "prepare.py")
@@ -92,40 +91,129 @@ def test_exits_zero_with_quarantined_items_and_prints_a_summary(tmp_path, corpus
     assert ShardSet(tmp_path / "out").manifest["counts"]["rejected"] == {"empty_file": 1}
 
 
-def test_killed_run_leaves_no_partial_shard_and_a_rerun_recovers(tmp_path, corpus, prepare):
-    args = dict(size=96, store="raw", shard_mb=0.05)
-    reference = prepare(input=[str(corpus)], output=str(tmp_path / "ref"), **args)
-    assert len(reference["shards"]) > 5
-
-    out = tmp_path / "out"
-    prepare(input=[str(corpus)], output=str(out), **args)  # a complete earlier run in the same place
-    proc = subprocess.Popen(
-        [sys.executable, JOB, "--input", str(corpus), "--output", str(out), "--size", "96", "--store", "raw",
-         "--shard-mb", "0.05", "--workers", "1"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+def _popen(corpus, out, *extra):
+    return subprocess.Popen(
+        [sys.executable, JOB, "--input", str(corpus), "--output", str(out), "--store", "raw", "--shard-mb", "0.05",
+         "--workers", "1", *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
-    # Kill as soon as this run starts writing a shard (its first temporary file appears).
-    seen_tmp = False
+
+
+def _staged_tmp(out: Path) -> bool:
+    """A shard of the run is being written: its temporary file is under the staging folder."""
+    return any(".tmp-" in p.name for p in out.glob(".staging-*/shards/*"))
+
+
+def _swapping(out: Path) -> bool:
+    """The run is replacing the set: the old manifest is gone, or a set file is being written."""
+    return not (out / "manifest.json").exists() or any(".tmp-" in name for name in os.listdir(out))
+
+
+def _signal_when(proc, out: Path, ready, sig) -> bool:
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
-        if any(".tmp-" in name for name in os.listdir(out)):
-            seen_tmp = True
-            proc.send_signal(signal.SIGKILL)
-            break
+        if ready(out):
+            proc.send_signal(sig)
+            proc.communicate(timeout=120)
+            return True
         time.sleep(0.001)
-    proc.wait()
-    assert seen_tmp, "the run ended before it wrote a shard; the kill did not happen mid-write"
+    proc.communicate(timeout=120)
+    return False
 
-    # The manifest was withdrawn at start and never rewritten: readers refuse the directory...
-    assert not (out / "manifest.json").exists()
-    with pytest.raises(ShardSetError, match="did not"):
-        ShardSet(out)
-    # ...and every file under a shard name is a complete Arrow file (partial ones only have .tmp- names).
-    for path in out.glob("shard-*.arrow"):
-        with open(path, "rb") as f:
-            assert ipc.open_file(f).read_all().num_rows > 0
 
-    again = prepare(input=[str(corpus)], output=str(out), **args)
-    assert again["shards"] == reference["shards"]
-    assert not [p for p in os.listdir(out) if ".tmp-" in p or p.startswith(".staging-")]
+def test_a_rerun_interrupted_at_any_moment_leaves_a_readable_set(tmp_path, corpus, prepare):
+    # A re-run used to delete manifest.json as it started: a SIGINT 2 s in left shards no reader would open.
+    old = prepare(input=[str(corpus)], output=str(tmp_path / "old"), size=96, store="raw", shard_mb=0.05)
+    new = prepare(input=[str(corpus)], output=str(tmp_path / "new"), size=80, store="raw", shard_mb=0.05)
+    assert len(old["shards"]) > 5 and old["shards"] != new["shards"]
+    out = tmp_path / "out"
+    prepare(input=[str(corpus)], output=str(out), size=96, store="raw", shard_mb=0.05)
+
+    moments = [
+        ("as it starts", lambda d: (d / ".prepare.lock").exists() or any(d.glob(".staging-*")), signal.SIGINT),
+        ("while writing a shard", _staged_tmp, signal.SIGINT),
+        ("killed while writing a shard", _staged_tmp, signal.SIGKILL),
+        ("while replacing the set", _swapping, signal.SIGINT),
+    ]
+    for moment, ready, sig in moments:
+        hit = _signal_when(_popen(corpus, out, "--size", "80"), out, ready, sig)
+        shards = ShardSet(out)  # never refused: the old set, or the new one whole
+        shards.verify()
+        assert shards.manifest["shards"] in (old["shards"], new["shards"]), moment
+        assert len(shards) == sum(s["rows"] for s in shards.manifest["shards"]), moment
+        if shards.manifest["shards"] == new["shards"]:
+            assert moment == "while replacing the set" or not hit, moment
+            prepare(input=[str(corpus)], output=str(out), size=96, store="raw", shard_mb=0.05)  # back to the old set
+
+    again = prepare(input=[str(corpus)], output=str(out), size=80, store="raw", shard_mb=0.05)
+    assert again["shards"] == new["shards"]
+    assert not [p for p in os.listdir(out) if ".tmp-" in p or p.startswith((".staging-", ".prepare.lock"))]
     ShardSet(out).verify()
+
+
+def test_a_second_run_into_a_busy_folder_is_refused_and_the_first_completes(tmp_path, corpus, photos, noisy_copies):
+    # Two runs into one folder used to delete each other's staging folders and mix their shards.
+    other = noisy_copies(tmp_path / "other", photos, 12, classes=2, class_prefix="o", spread=30, seed=7, size=(96, 96))
+    out = tmp_path / "out"
+    first = _popen(corpus, out, "--size", "64")
+    deadline = time.monotonic() + 240
+    while first.poll() is None and time.monotonic() < deadline and not any(out.glob(".staging-*")):
+        time.sleep(0.01)
+    # Held still while the second runs from start to end: the race is then the same on every machine.
+    os.kill(first.pid, signal.SIGSTOP)
+    try:
+        second = _popen(other, out, "--size", "64")
+        _, err2 = second.communicate(timeout=300)
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
+    _, err1 = first.communicate(timeout=300)
+    assert first.returncode == 0, err1[-2000:]
+    assert second.returncode == 2, err2[-2000:]
+    lines = err2.strip().splitlines()
+    assert len(lines) == 1 and "another prepare run is writing there" in lines[0] and f"pid {first.pid} on " in lines[0]
+    shards = ShardSet(out)
+    shards.verify()
+    assert shards.manifest["counts"]["written"] == 48 == len(shards)
+    assert {shards[i]["source"].split("/")[-2] for i in range(len(shards))} == {"c0", "c1", "c2"}
+
+
+def test_a_stale_lock_file_of_a_dead_process_does_not_block(tmp_path, corpus, prepare):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (out / ".prepare.lock").write_text(json.dumps({"host": os.uname().nodename, "pid": int(dead.stdout)}))
+    prepare(input=[str(corpus / "c0")], output=str(out), size=32)
+    ShardSet(out).verify()
+
+
+def test_a_set_of_other_inputs_is_replaced_only_with_overwrite_and_whole(tmp_path, corpus, prepare, photos,
+                                                                         noisy_copies):
+    # prepare over another set used to overwrite it silently and keep its dedup files, so the next
+    # pretrain recorded lineage to dedup runs that had checked other data.
+    other = noisy_copies(tmp_path / "other", photos, 12, classes=2, class_prefix="o", spread=30, seed=7, size=(96, 96))
+    out = tmp_path / "out"
+    first = prepare(input=[str(corpus)], output=str(out), size=32)
+    dedup_files = {"removed.jsonl": '{"key": "k"}\n', "dedup_state.json": '{"runs": [{"mlflow_run_id": "r1"}]}',
+                   "dedup_index/index.npz": "x", "dedup_report/counts.json": "{}"}
+
+    def leave_dedup_files():
+        for name, text in dedup_files.items():
+            (out / name).parent.mkdir(exist_ok=True)
+            (out / name).write_text(text)
+
+    leave_dedup_files()
+    again = prepare(input=[str(corpus)], output=str(out), size=32)  # the same inputs and shards: dedup still holds
+    assert again["shards"] == first["shards"] and all((out / name).exists() for name in dedup_files)
+
+    r = _job("--input", str(other), "--output", str(out), "--size", "32", "--workers", "1")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert "holds a shard set of other inputs" in r.stderr and "--overwrite" in r.stderr
+    assert ShardSet(out).manifest["shards"] == first["shards"] and (out / "removed.jsonl").exists()
+
+    replaced = prepare(input=[str(other)], output=str(out), size=32, overwrite=True)
+    shards = ShardSet(out)
+    shards.verify()
+    assert shards.manifest["shards"] == replaced["shards"] and len(shards) == 12
+    assert not any((out / name).exists() for name in ("removed.jsonl", "dedup_state.json", "dedup_index",
+                                                      "dedup_report"))
+    assert sorted(p.name for p in out.glob("shard-*.arrow")) == [s["path"] for s in replaced["shards"]]

@@ -168,3 +168,19 @@ def test_text_uri_escapes_only_what_is_not_utf8_and_keys_ignore_the_form():
     assert text_uri("/c/猫 x.jpg") == "/c/猫 x.jpg"  # valid names are untouched, so keys never moved
     assert text_uri("a\ud800b") == "a\\ud800b"  # a lone surrogate from a JSON escape
     assert make_key(raw) == make_key(text_uri(raw))
+
+
+def test_an_image_folder_given_as_a_shard_set_gets_a_prepare_command_that_works(tmp_path, photos, enc, prepare):
+    # The hint used to be "prepare --output <that same folder>", which prepare refuses (output inside input).
+    import re
+
+    folder = tmp_path / "pics"
+    for name in ("chelsea", "coffee"):
+        (folder / "cat").mkdir(parents=True, exist_ok=True)
+        (folder / "cat" / f"{name}.png").write_bytes(enc(photos[name], "PNG"))
+    with pytest.raises(ShardSetError) as err:
+        ShardSet(folder)
+    match = re.search(r"jobs/prepare.py --input (\S+) --output (\S+), then pass (\S+)$", str(err.value))
+    assert match and match[1] == str(folder) and match[2] == match[3] == f"{folder}-shards", str(err.value)
+    prepare(input=[match[1]], output=match[2], size=32)
+    assert len(ShardSet(match[3])) == 2

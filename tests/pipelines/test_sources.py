@@ -197,3 +197,21 @@ def test_memory_filesystem(jpeg):
     fs.pipe("/srcmem/cls/a.jpg", jpeg)
     (item,) = iter_items("memory://srcmem")
     assert item.labels == ("cls",) and item.read() == jpeg and item.uri.startswith("memory://")
+
+
+def test_class_folders_that_are_symlinks_are_followed_once(tmp_path, wr, jpeg):
+    # Symlinked class folders used to be listed as three files and all quarantined "unreadable".
+    real, tree = tmp_path / "real", tmp_path / "tree"
+    for cls in ("cat", "dog"):
+        wr(real / cls / "a.jpg", jpeg)
+        wr(real / cls / "sub" / "b.jpg", jpeg)
+    tree.mkdir()
+    for cls in ("cat", "dog"):
+        (tree / cls).symlink_to(real / cls, target_is_directory=True)
+    (real / "dog" / "sub" / "loop").symlink_to(real / "dog", target_is_directory=True)  # a loop: listed once
+    items = list(iter_items(str(tree)))
+    assert sorted((it.labels, it.uri.rsplit("/", 2)[-2:]) for it in items) == [
+        (("cat",), ["cat", "a.jpg"]), (("cat",), ["sub", "b.jpg"]),
+        (("dog",), ["dog", "a.jpg"]), (("dog",), ["sub", "b.jpg"]),
+    ]
+    assert all(it.read() == jpeg for it in items)

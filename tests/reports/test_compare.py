@@ -49,10 +49,10 @@ def test_the_best_run_is_named_with_the_params_that_differ(home):
     prep = log("prepare", {"output": "/data/shards/pets-train", "test_set": "[]"}, {"inputs": 100})
     pre_a = log("pretrain", {"data": "/data/shards/corpus", "output": "/runs/a", "epochs": "7"}, {"holdout_accuracy": 0.5})
     fa = log("finetune", {**FINETUNE, "pretrained": "/runs/a/model.safetensors", "output": "/ft/1"},
-             {"test_accuracy": 0.81, "selected_lr": 0.01})
+             {"test_accuracy": 0.81, "val_accuracy": 0.80, "selected_lr": 0.01})
     pre_b = log("pretrain", {"data": "/data/shards/corpus", "output": "/runs/a", "epochs": "14"}, {"holdout_accuracy": 0.6})
     fb = log("finetune", {**FINETUNE, "pretrained": "/runs/a/model.safetensors", "output": "/ft/2", "steps": "1000"},
-             {"test_accuracy": 0.88, "selected_lr": 0.03})
+             {"test_accuracy": 0.88, "val_accuracy": 0.85, "selected_lr": 0.03})
     store = open_store(tracking.tracking_uri())
     runs = compare.selection(store, [], [])
     [ft] = [r for r in compare.rank(store, runs, LineageIndex(store)) if r.stage == "finetune"]
@@ -64,7 +64,8 @@ def test_the_best_run_is_named_with_the_params_that_differ(home):
     # Where a run wrote never explains a difference; what it trained on and how does.
     assert set(ft.differing) == {"steps", "lineage: pretrain"}
     assert "train" in ft.same and "output" not in ft.same
-    assert "0.880 against 0.810" in ft.verdict and "(+0.070)" in ft.verdict and "steps 1000 vs 500" in ft.verdict
+    assert "best on val_accuracy: 0.850 against 0.800" in ft.verdict and "(+0.050)" in ft.verdict
+    assert "test_accuracy, is 0.880" in ft.verdict and "steps 1000 vs 500" in ft.verdict
     page = html.render(compare.build(store, runs), {}, store_uri="x", selection="every experiment")
     # The runner-ups' differing cells: the finetune's steps and pretrain, the pretrain's epochs.
     assert page.count('class="diff"') == 3
@@ -87,3 +88,71 @@ def test_lineage_tags_win_over_paths(home):
     section = compare.dedup_section(compare.selection(store, [], []))
     row = next(r for r in section["rows"] if r["run"].id == dedup)
     assert row["counts"] == {"pets": 3} and section["test_sets"] == ["pets"]
+
+
+def _manifest(digest: str) -> dict:
+    return {"vitscale.input_manifest_sha256": digest * 64}
+
+
+def test_pretraining_runs_on_other_data_or_objectives_are_not_ranked_together(home):
+    # A 20-image, one-class run was called "best on holdout_accuracy: 1.000" against runs on a real corpus.
+    tiny = log("pretrain", {"data": "/d/tiny", "objective": "classification"}, {"holdout_accuracy": 1.0},
+               tags=_manifest("a"))
+    big = log("pretrain", {"data": "/d/corpus", "objective": "classification"}, {"holdout_accuracy": 0.4},
+              tags=_manifest("b"))
+    mpp = log("pretrain", {"data": "/d/corpus", "objective": "mpp"}, {"holdout_accuracy": 0.9}, tags=_manifest("b"))
+    rewritten = log("pretrain", {"data": "/d/corpus", "objective": "classification"}, {"holdout_accuracy": 0.8},
+                    tags=_manifest("c"))  # the same folder, prepared again from other inputs
+    store = open_store(tracking.tracking_uri())
+    rankings = [r for r in compare.rank(store, compare.selection(store, [], []), LineageIndex(store))
+                if r.stage == "pretrain"]
+    assert sorted([r.id for r in ranking.runs] for ranking in rankings) == sorted([[tiny], [big], [mpp], [rewritten]])
+    assert f"pretrain objective classification on corpus (manifest {'c' * 12})" in {r.title for r in rankings}
+    assert all(r.verdict.startswith("One run") for r in rankings)
+
+
+def test_finetuning_is_ranked_on_the_selection_metric_and_reports_test_as_the_result(home):
+    picked_by_val = log("finetune", {**FINETUNE, "output": "/ft/1", "seed": "1"},
+                        {"val_accuracy": 0.9, "test_accuracy": 0.70})
+    better_on_test = log("finetune", {**FINETUNE, "output": "/ft/2", "seed": "2"},
+                         {"val_accuracy": 0.8, "test_accuracy": 0.75})
+    no_val = log("finetune", {**FINETUNE, "train": "/data/shards/other-train"}, {"test_accuracy": 0.99})
+    store = open_store(tracking.tracking_uri())
+    rankings = {tuple(r.id for r in x.runs): x for x in compare.rank(store, compare.selection(store, [], []),
+                                                                     LineageIndex(store)) if x.stage == "finetune"}
+    ft = rankings[(picked_by_val, better_on_test)]
+    assert ft.metric == "val_accuracy" and "test_accuracy, is 0.700" in ft.verdict
+    assert rankings[(no_val,)].metric == ""  # never ranked on test accuracy
+
+
+def test_a_resumed_shorter_schedule_is_not_called_run_to_run_variation(home):
+    # A time-boxed 12-step submission and a 24-step run share every param; their gap is the schedule.
+    params = {"data": "/d/corpus", "steps": "24", "run_name": "None"}
+    full = log("pretrain", params, {"holdout_accuracy": 0.6, "steps": 24, "planned_steps": 24}, tags=_manifest("b"))
+    log("pretrain", {**params, "run_name": "boxed", "stop_after": "6"},
+        {"holdout_accuracy": 0.3, "steps": 6, "planned_steps": 24}, tags=_manifest("b"))
+    boxed = log("pretrain", {**params, "run_name": "boxed", "stop_after": "12"},
+                {"holdout_accuracy": 0.5, "steps": 12, "planned_steps": 24}, tags=_manifest("b"))
+    store = open_store(tracking.tracking_uri())
+    [pre] = [r for r in compare.rank(store, compare.selection(store, [], []), LineageIndex(store))
+             if r.stage == "pretrain"]
+    assert [r.id for r in pre.runs][:2] == [full, boxed]
+    assert "run-to-run variation" in pre.verdict and "not run-to-run variation" in pre.verdict
+    assert "steps 24 vs 12 of 24 planned" in pre.verdict and "resumed from a checkpoint: no vs yes" in pre.verdict
+
+
+def test_a_dedup_run_that_found_nothing_counts_whole_images_and_no_column_is_named_twice(home):
+    import re
+
+    log("dedup", {"shards": "/data/shards/corpus", "test_set": '["pets=/data/pets/test"]'},
+        {"new_removals": 0, "rows_scanned": 0, "removed.pets": 0})
+    params = {"data": "/d/corpus", "steps": "24"}
+    log("pretrain", params, {"holdout_accuracy": 0.6, "steps": 24}, tags=_manifest("b"))
+    log("pretrain", {**params, "steps": "12"}, {"holdout_accuracy": 0.5, "steps": 12}, tags=_manifest("b"))
+    store = open_store(tracking.tracking_uri())
+    page = html.render(compare.build(store, compare.selection(store, [], [])), {}, store_uri="x", selection="all")
+    assert "0.000" not in page
+    for head in re.findall(r"<tr>((?:<th[^>]*>.*?</th>)+)</tr>", page):
+        names = re.findall(r"<th[^>]*>(.*?)</th>", head)
+        assert len(names) == len(set(names)), names
+    assert "steps (param)" in page

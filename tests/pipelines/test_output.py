@@ -1,0 +1,41 @@
+"""The output folder's writer lock on a filesystem without flock (fsspec's memory://, as an object store)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import fsspec
+import pytest
+
+from pipelines.output import LOCK, OutputError, OutputFolder
+
+
+def test_a_second_writer_over_fsspec_is_refused_naming_the_holder():
+    url = "memory://output-lock/held"
+    fsspec.filesystem("memory").makedirs("/output-lock/held", exist_ok=True)
+    with OutputFolder(url, ["/src"]):
+        with pytest.raises(OutputError, match=f"another prepare run is writing there \\(pid {os.getpid()} on "):
+            OutputFolder(url, ["/src"]).__enter__()
+    assert not fsspec.filesystem("memory").exists(f"/output-lock/held/{LOCK}")  # released at the end
+    with OutputFolder(url, ["/src"]):  # and free again
+        pass
+
+
+def test_a_lock_file_of_a_dead_process_on_this_host_is_taken_over():
+    fs = fsspec.filesystem("memory")
+    fs.makedirs("/output-lock/stale", exist_ok=True)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    fs.pipe(f"/output-lock/stale/{LOCK}", json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}).encode())
+    with OutputFolder("memory://output-lock/stale", ["/src"]):
+        assert json.loads(fs.cat(f"/output-lock/stale/{LOCK}"))["pid"] == os.getpid()
+
+
+def test_a_lock_file_from_another_host_is_named_with_the_fix():
+    fs = fsspec.filesystem("memory")
+    fs.makedirs("/output-lock/remote", exist_ok=True)
+    fs.pipe(f"/output-lock/remote/{LOCK}", json.dumps({"host": "node-7", "pid": 4242}).encode())
+    with pytest.raises(OutputError, match=f"pid 4242 on node-7.*if that process is gone, delete .*{LOCK}"):
+        OutputFolder("memory://output-lock/remote", ["/src"]).__enter__()
