@@ -34,7 +34,7 @@ from common import tracking
 from common.config import ConfigError, check, not_recipe
 from common.fs import atomic_write, make_output_dir
 from common.jobenv import durable_path
-from pipelines.schema import MANIFEST, ShardSet, shard_set_record
+from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
 from training import run_artifacts
 from training.ray_utils import init_ray
 from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
@@ -174,7 +174,7 @@ def _resolve_inputs(cfg: FinetuneConfig) -> FinetuneConfig:
     for name in ("train", "test"):
         path = Path(getattr(cfg, name)).expanduser().resolve()
         if not (path / MANIFEST).is_file():
-            raise ConfigError(f"{name}: {path} has no {MANIFEST}; produce it with jobs/prepare.py --output {path}")
+            raise ConfigError(f"{name}: {path} has no {MANIFEST}; {missing_manifest_hint(path)}")
         resolved[name] = str(path)
     if cfg.pretrained is not None:
         resolved["pretrained"] = str(pretrained_file(cfg.pretrained))

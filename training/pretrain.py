@@ -289,12 +289,12 @@ def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, 
     steps). Checked here, before Ray starts, so the user gets one line instead of worker tracebacks."""
     from common import tracking
     from common.jobenv import durable_path
-    from pipelines.schema import MANIFEST, ShardSet
+    from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint
     from training.data import holdout_mask, shard_keys
 
     data = Path(cfg.data).expanduser()
     if not (data / MANIFEST).is_file():
-        raise ConfigError(f"data: {data} has no {MANIFEST}; run jobs/prepare.py --output {data} first")
+        raise ConfigError(f"data: {data} has no {MANIFEST}; {missing_manifest_hint(data)}")
     if cfg.fewshot_data and not (Path(cfg.fewshot_data).expanduser() / MANIFEST).is_file():
         raise ConfigError(f"fewshot_data: {cfg.fewshot_data} has no {MANIFEST}; prepare a labelled shard set "
                           "with jobs/prepare.py and pass its directory")

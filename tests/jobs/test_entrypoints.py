@@ -132,3 +132,14 @@ def test_an_image_size_the_patch_does_not_divide_is_refused_by_the_config(tmp_pa
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'ray'))")], cwd=REPO, capture_output=True, text=True,
         timeout=120)
     assert probe.stdout.strip() == "[]", probe.stdout + probe.stderr
+
+
+@pytest.mark.parametrize("job,flag", [("pretrain", "--data"), ("finetune", "--train")])
+def test_an_image_folder_given_as_shards_gets_a_prepare_command_that_works(tmp_path, job, flag):
+    # It used to suggest `jobs/prepare.py --output <the same folder>`, which prepare refuses.
+    folder = tmp_path / "photos"
+    (folder / "cat").mkdir(parents=True)
+    (folder / "cat" / "a.jpg").write_bytes(b"\xff\xd8\xff")
+    extra = ["--test", str(folder)] if job == "finetune" else []
+    out = run_job(job, flag, str(folder), *extra)
+    assert_one_line_exit_2(out, job, f"--input {folder} --output {folder}-shards")
