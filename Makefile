@@ -19,7 +19,9 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 demo: $(STAMP)
 	$(PY) jobs/demo.py
 
+# ruff first: unused imports and names, undefined names, import order (pyproject.toml).
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
 
 bench: $(STAMP)

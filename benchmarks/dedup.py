@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import os
 import sys
+import time
 
 # Run as a script, this file's folder comes first on sys.path and its name would
 # shadow the ``dedup`` package.
@@ -34,8 +34,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirna
 import numpy as np
 
 from neardup import signatures as sig
-from neardup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET
-from neardup.index import TestSetIndex
+from neardup.index import DEFAULT_THRESHOLD, INNER_THRESHOLD_OFFSET, TestSetIndex
 
 
 def main(argv=None) -> dict:

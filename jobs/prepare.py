@@ -12,7 +12,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.cli import run_job  # noqa: E402
 from common.text import utf8_text  # noqa: E402
-
 from pipelines.config import PrepareConfig  # noqa: E402
 from pipelines.ingest import AccountingError, run_prepare  # noqa: E402
 from pipelines.schema import MANIFEST  # noqa: E402

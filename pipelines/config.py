@@ -7,7 +7,6 @@ from typing import Literal
 
 from common.config import check, parse_named
 from common.fs import normalize_root
-
 from pipelines.decode import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_MEGAPIXELS
 
 

@@ -42,17 +42,17 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import re
 import logging
 import math
-import os
+import re
 import time
 import traceback
 import uuid
 from typing import Any, Iterable, Iterator, Mapping
 
 from common.config import InputError
-from common.fs import atomic_open, atomic_write, url_to_fs as _fs
+from common.fs import atomic_open, atomic_write
+from common.fs import url_to_fs as _fs
 from common.jobenv import durable_path
 from common.progress import TTY_EVERY, IngestProgress, ProgressLine, Ticker
 from pipelines import local_runner, schema, worker_counts

@@ -53,7 +53,8 @@ import pyarrow.ipc as ipc
 
 # The source column's text contract: names that are not UTF-8 are written with \xNN escapes.
 from common.config import InputError
-from common.fs import TMP_MARKER, atomic_write, shard_verify_default, url_to_fs as _fs  # noqa: F401  (TMP_MARKER: part of the layout)
+from common.fs import TMP_MARKER, atomic_write, shard_verify_default  # noqa: F401  (TMP_MARKER: part of the layout)
+from common.fs import url_to_fs as _fs
 from common.text import utf8_text as text_uri
 
 log = logging.getLogger(__name__)

@@ -149,8 +149,8 @@ class Checkpointer:
         import torch
 
         import vitcore
-        from vitcore.checkpoint import MODEL_FILE
         from training.loop import all_reduce_sum
+        from vitcore.checkpoint import MODEL_FILE
 
         state = trainer.state_dict()
         rng = rng_states(trainer.device)

@@ -15,17 +15,36 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.utils.data import DataLoader, DistributedSampler
 
 import vitcore
 from training.checkpointer import Checkpointer, DataPosition, gather
-from training.data import (ShardImageDataset, eval_transform, holdout_mask, normalize, shard_keys, split_rows,
-                           train_transform)
-from training.loop import (accumulate_step, autocast, classification_loss, effective_warmup, evaluate, lr_at,
-                           set_lr, unwrap)
+from training.data import (
+    ShardImageDataset,
+    eval_transform,
+    holdout_mask,
+    normalize,
+    shard_keys,
+    split_rows,
+    train_transform,
+)
+from training.loop import (
+    accumulate_step,
+    autocast,
+    classification_loss,
+    effective_warmup,
+    evaluate,
+    lr_at,
+    set_lr,
+    unwrap,
+)
 from training.metrics import MetricsSink
 from vitcore.variants import decode_variant
 

@@ -29,9 +29,14 @@ from .checkpoint import load_checkpoint, read_checkpoint, save_checkpoint
 from .convert import LoadReport, load_npz, load_timm_state_dict, npz_to_state_dict
 from .fewshot import compute_representations, fewshot_accuracy, fit_ridge, select_shots
 from .flops import bf16_peak_flops, count_macs, train_flops_per_image
-from .inspection import (attention_rollout, attention_weights, embedding_filter_pcs,
-                         mean_attention_distance, position_embedding_similarity)
-from .model import OPTIONS, ViTConfig, VisionTransformer, create_model, reset_head, set_gelu
+from .inspection import (
+                         attention_rollout,
+                         attention_weights,
+                         embedding_filter_pcs,
+                         mean_attention_distance,
+                         position_embedding_similarity,
+)
+from .model import OPTIONS, VisionTransformer, ViTConfig, create_model, reset_head, set_gelu
 from .mpp import MaskedPatchPrediction, corrupt_patches, mpp_targets
 from .posembed import adapt_pos_embed, resize_grid, sincos_2d
 from .reference import ReferenceViT

@@ -13,7 +13,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from .convert import LoadReport, load_adapted
-from .model import ViTConfig, VisionTransformer
+from .model import VisionTransformer, ViTConfig
 
 FORMAT = "vitcore/1"
 # A stage saves its model under this name in its output folder; the next stage looks for it there.

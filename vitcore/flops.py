@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from .model import ViTConfig, VisionTransformer
+from .model import VisionTransformer, ViTConfig
 from .variants import decode_variant, resnet_stride
 
 # Dense bf16 peaks in FLOP/s, for model FLOP utilisation (MFU).

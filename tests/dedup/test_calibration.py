@@ -1,7 +1,7 @@
 import pytest
 
-from neardup.index import DEFAULT_THRESHOLD
 from dedup.calibration import HOLDOUT_PHOTOS, calibrate, main, plot, split_pool
+from neardup.index import DEFAULT_THRESHOLD
 
 
 def test_calibration_reports_every_transform_and_plots(tmp_path, tiles):

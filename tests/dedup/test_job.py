@@ -5,10 +5,10 @@ from pathlib import Path
 import mlflow
 import pytest
 
+from common.config import ConfigError
 from dedup.job import DedupConfig, run
 from neardup.transforms import apply
 from pipelines.schema import MANIFEST
-from common.config import ConfigError
 
 
 @pytest.fixture(scope="module")

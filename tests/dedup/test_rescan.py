@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from neardup.index import TestSetIndex
 from dedup.rescan import rescan
+from neardup.index import TestSetIndex
 from pipelines.schema import MANIFEST, SCHEMA_VERSION, ShardSetError
 
 

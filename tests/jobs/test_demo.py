@@ -140,7 +140,7 @@ def test_lineage_tags_link_the_demo_runs_end_to_end(small_demo):
 
 
 def test_which_data_trained_this_model_is_a_tag_search(small_demo):
-    s, work = small_demo["summary"], small_demo["work"]
+    s = small_demo["summary"]
     client = mlflow.MlflowClient(tracking.tracking_uri())
     exps = [e.experiment_id for e in client.search_experiments()]
     # From the fine-tuned model's run: the prepare runs (and so the sources) of every image it learned from.

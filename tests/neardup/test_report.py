@@ -2,7 +2,7 @@ import json
 
 from PIL import Image
 
-from neardup.report import caption, contact_sheet, counts_table, pick_for_audit, write_report
+from neardup.report import caption, counts_table, pick_for_audit, write_report
 
 
 def _m(key, d):

@@ -3,8 +3,7 @@ import pytest
 from PIL import Image
 
 from neardup import signatures as sig
-from neardup.index import DEFAULT_THRESHOLD
-from neardup.index import TestSetIndex
+from neardup.index import DEFAULT_THRESHOLD, TestSetIndex
 from neardup.transforms import TRANSFORMS, apply
 
 PLANTED = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "motorcycle_left.png"]

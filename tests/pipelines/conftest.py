@@ -1,12 +1,13 @@
 """Real images, real files, a real MLflow store and the real Beam DirectRunner."""
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+from tests.pipelines.imagefiles import encode, write
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,21 +30,9 @@ def photos() -> dict[str, Image.Image]:
     return out
 
 
-def encode(img: Image.Image, fmt: str, **kwargs) -> bytes:
-    buf = io.BytesIO()
-    img.save(buf, fmt, **kwargs)
-    return buf.getvalue()
-
-
 @pytest.fixture
 def enc():
     return encode
-
-
-def write(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
 
 
 @pytest.fixture

@@ -35,9 +35,8 @@ def test_ingest_benchmark_prints_one_json_line_last():
 def test_mosaic_corpus_fills_the_frame_with_photographs():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import numpy as np
-    from PIL import Image
-
     from ingest import make_mosaics
+    from PIL import Image
 
     datas = make_mosaics(4, 1.0)
     assert datas == make_mosaics(4, 1.0)  # deterministic

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.config import PrepareConfig
 from common.config import ConfigError, from_dict, load_file
+from pipelines.config import PrepareConfig
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import apache_beam as beam  # noqa: E402
 from apache_beam.options.pipeline_options import PipelineOptions  # noqa: E402
 
 from pipelines.schema import ShardSet  # noqa: E402
+from tests.pipelines.imagefiles import encode, write
 
 REPO = Path(__file__).resolve().parents[2]
 DASK = str(Path(sys.executable).parent / "dask")
@@ -144,17 +144,8 @@ def test_beams_dask_runner_computes_a_side_input_again_and_ours_once(cluster, tm
 
 # -- the ingest on Dask against the DirectRunner -----------------------------------------------
 
-def _enc(img, fmt, **kw):
-    import io
-
-    buf = io.BytesIO()
-    img.save(buf, fmt, **kw)
-    return buf.getvalue()
 
 
-def _write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
 
 
 BAD = {
@@ -178,22 +169,22 @@ def corpus(tmp_path_factory, photos, noisy_copies):
     root = tmp_path_factory.mktemp("dask_corpus")
     noisy_copies(root / "src", photos, 12, classes=2, class_prefix="class", spread=20, seed=3, size=(80, 64))
     src = root / "src"
-    _write(src / "class0" / "chelsea.png", _enc(photos["chelsea"], "PNG"))
-    _write(src / "class1" / "chelsea_again.bmp", _enc(photos["chelsea"], "BMP"))  # a corpus duplicate
-    _write(src / "class1" / "astronaut_copy.png", _enc(photos["astronaut"], "PNG"))  # in the test set
-    _write(root / "test" / "t" / "astronaut.png", _enc(photos["astronaut"], "PNG"))
-    jpg = _enc(photos["coffee"], "JPEG")
-    _write(src / "bad" / "empty.jpg", b"")
-    _write(src / "bad" / "truncated.jpg", jpg[: len(jpg) // 2])
-    _write(src / "bad" / "notes.txt", b"not an image\n")
-    _write(src / "bad" / "tiny.png", _enc(photos["coffee"].resize((12, 10)), "PNG"))
-    _write(src / "bad" / "wide.png", _enc(Image.new("RGB", (66000, 17), (10, 200, 30)), "PNG"))
+    write(src / "class0" / "chelsea.png", encode(photos["chelsea"], "PNG"))
+    write(src / "class1" / "chelsea_again.bmp", encode(photos["chelsea"], "BMP"))  # a corpus duplicate
+    write(src / "class1" / "astronaut_copy.png", encode(photos["astronaut"], "PNG"))  # in the test set
+    write(root / "test" / "t" / "astronaut.png", encode(photos["astronaut"], "PNG"))
+    jpg = encode(photos["coffee"], "JPEG")
+    write(src / "bad" / "empty.jpg", b"")
+    write(src / "bad" / "truncated.jpg", jpg[: len(jpg) // 2])
+    write(src / "bad" / "notes.txt", b"not an image\n")
+    write(src / "bad" / "tiny.png", encode(photos["coffee"].resize((12, 10)), "PNG"))
+    write(src / "bad" / "wide.png", encode(Image.new("RGB", (66000, 17), (10, 200, 30)), "PNG"))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
         info = tarfile.TarInfo("x.jpg")
         info.size = len(jpg)
         tf.addfile(info, io.BytesIO(jpg))
-    _write(src / "broken.tar", buf.getvalue()[:700])
+    write(src / "broken.tar", buf.getvalue()[:700])
     return root
 
 
@@ -274,7 +265,7 @@ def test_bad_runner_settings_exit_2_with_one_line(tmp_path, args, says):
 
 
 def test_a_dask_address_with_no_scheduler_exits_2_with_one_line(tmp_path, free_port, photos):
-    _write(tmp_path / "src" / "k" / "a.png", _enc(photos["astronaut"], "PNG"))
+    write(tmp_path / "src" / "k" / "a.png", encode(photos["astronaut"], "PNG"))
     address = f"tcp://127.0.0.1:{free_port()}"
     r = _job("--input", str(tmp_path / "src"), "--output", str(tmp_path / "o"), "--runner", "dask",
              "--dask-address", address, "--beam-options=--dask_connection_timeout=2")

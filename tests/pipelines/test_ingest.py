@@ -12,20 +12,13 @@ import pytest
 from PIL import Image
 
 from pipelines.schema import COLUMNS, ShardSet, decode_row_image
+from tests.pipelines.imagefiles import encode, write
 
 SIZE = 64
 
 
-def _enc(img, fmt, **kw):
-    buf = io.BytesIO()
-    img.save(buf, fmt, **kw)
-    return buf.getvalue()
 
 
-def _write(path: Path, data: bytes) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return path
 
 
 def _rows(out: Path) -> list[dict]:
@@ -60,40 +53,40 @@ CORPUS_DUP = ("a/chelsea_again.bmp", "a/chelsea.png")  # same pixels, different 
 def bad_corpus(tmp_path_factory, photos):
     root = tmp_path_factory.mktemp("corpus")
     p = photos
-    _write(root / "a/astronaut.jpg", _enc(p["astronaut"], "JPEG"))
-    _write(root / "a/chelsea.png", _enc(p["chelsea"], "PNG"))
-    _write(root / "a/chelsea_again.bmp", _enc(p["chelsea"], "BMP"))
-    _write(root / "a/coffee.webp", _enc(p["coffee"], "WEBP"))
-    _write(root / "b/camera.gif", _enc(p["camera"], "GIF"))
-    _write(root / "b/rocket.tiff", _enc(p["rocket"], "TIFF"))
-    _write(root / "b/china_cmyk.jpg", _enc(p["china"].convert("CMYK"), "JPEG"))
+    write(root / "a/astronaut.jpg", encode(p["astronaut"], "JPEG"))
+    write(root / "a/chelsea.png", encode(p["chelsea"], "PNG"))
+    write(root / "a/chelsea_again.bmp", encode(p["chelsea"], "BMP"))
+    write(root / "a/coffee.webp", encode(p["coffee"], "WEBP"))
+    write(root / "b/camera.gif", encode(p["camera"], "GIF"))
+    write(root / "b/rocket.tiff", encode(p["rocket"], "TIFF"))
+    write(root / "b/china_cmyk.jpg", encode(p["china"].convert("CMYK"), "JPEG"))
     ramp = (np.linspace(0, 65535, 100 * 120).reshape(100, 120)).astype(np.uint16)
-    _write(root / "b/gray16.png", _enc(Image.fromarray(ramp), "PNG"))
-    _write(root / "b/rgba.png", _enc(p["retina"].convert("RGBA"), "PNG"))
-    _write(root / "b/palette.png", _enc(p["hubble_deep_field"].convert("P"), "PNG"))
+    write(root / "b/gray16.png", encode(Image.fromarray(ramp), "PNG"))
+    write(root / "b/rgba.png", encode(p["retina"].convert("RGBA"), "PNG"))
+    write(root / "b/palette.png", encode(p["hubble_deep_field"].convert("P"), "PNG"))
     exif = Image.Exif()
     exif[0x0112] = 6
-    _write(root / "b/rotated.jpg", _enc(p["flower"].rotate(90, expand=True), "JPEG", exif=exif))
-    _write(root / "c/flower.bmp", _enc(p["flower"].transpose(Image.Transpose.FLIP_LEFT_RIGHT), "BMP"))
+    write(root / "b/rotated.jpg", encode(p["flower"].rotate(90, expand=True), "JPEG", exif=exif))
+    write(root / "c/flower.bmp", encode(p["flower"].transpose(Image.Transpose.FLIP_LEFT_RIGHT), "BMP"))
 
-    _write(root / "c/empty.jpg", b"")
-    jpg = _enc(p["coffee"], "JPEG")
-    _write(root / "c/truncated.jpg", jpg[: len(jpg) // 2])
-    gif = bytearray(_enc(p["astronaut"], "GIF"))
+    write(root / "c/empty.jpg", b"")
+    jpg = encode(p["coffee"], "JPEG")
+    write(root / "c/truncated.jpg", jpg[: len(jpg) // 2])
+    gif = bytearray(encode(p["astronaut"], "GIF"))
     gif[len(gif) // 3: len(gif) // 3 + 400] = np.random.default_rng(0).bytes(400)
-    _write(root / "c/corrupt.gif", bytes(gif))
-    _write(root / "c/notes.txt", b"these are not the images you are looking for\n")
-    _write(root / "c/icon.ico", _enc(p["coffee"].resize((64, 64)), "ICO"))
-    _write(root / "c/bomb.png", _enc(Image.new("L", (2000, 2000)), "PNG"))
-    _write(root / "c/tiny.png", _enc(p["coffee"].resize((12, 10)), "PNG"))
-    _write(root / "c/video.mp4", np.random.default_rng(1).bytes(2_500_000))
-    _write(root / "c/wide.png", _enc(Image.new("RGB", (66000, 17), (10, 200, 30)), "PNG"))
+    write(root / "c/corrupt.gif", bytes(gif))
+    write(root / "c/notes.txt", b"these are not the images you are looking for\n")
+    write(root / "c/icon.ico", encode(p["coffee"].resize((64, 64)), "ICO"))
+    write(root / "c/bomb.png", encode(Image.new("L", (2000, 2000)), "PNG"))
+    write(root / "c/tiny.png", encode(p["coffee"].resize((12, 10)), "PNG"))
+    write(root / "c/video.mp4", np.random.default_rng(1).bytes(2_500_000))
+    write(root / "c/wide.png", encode(Image.new("RGB", (66000, 17), (10, 200, 30)), "PNG"))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tf:
         info = tarfile.TarInfo("x.jpg")
         info.size = len(jpg)
         tf.addfile(info, io.BytesIO(jpg))
-    _write(root / "broken.tar", buf.getvalue()[:700])
+    write(root / "broken.tar", buf.getvalue()[:700])
     return root
 
 
@@ -199,7 +192,7 @@ def test_round_trip_is_exact_and_verified(tmp_path, photos, prepare):
     src = tmp_path / "src"
     expected = {}
     for i, name in enumerate(["astronaut", "chelsea", "coffee", "rocket", "china"]):
-        path = _write(src / f"img{i}.png", _enc(photos[name], "PNG"))
+        path = write(src / f"img{i}.png", encode(photos[name], "PNG"))
         expected[f"file://{path}"] = (np.asarray(photos[name]), [name, "photo"] if i % 2 else [name])
     lines = [json.dumps({"uri": uri, "labels": labels}) for uri, (_, labels) in expected.items()]
     (src / "m.jsonl").write_text("\n".join(lines) + "\n")
@@ -220,8 +213,8 @@ def test_round_trip_is_exact_and_verified(tmp_path, photos, prepare):
 
 def test_never_upscales_unless_asked_and_caps_the_long_side(tmp_path, photos, prepare):
     src = tmp_path / "src"
-    _write(src / "small.png", _enc(photos["coffee"].resize((50, 40)), "PNG"))
-    _write(src / "pano.png", _enc(photos["china"].resize((400, 100)), "PNG"))
+    write(src / "small.png", encode(photos["coffee"].resize((50, 40)), "PNG"))
+    write(src / "pano.png", encode(photos["china"].resize((400, 100)), "PNG"))
     out = prepare(input=[str(src)], output=str(tmp_path / "o1"), size=SIZE, max_long_side=128, min_short_side=0)
     sizes = {Path(r["source"]).name: (r["width"], r["height"]) for r in _rows(tmp_path / "o1")}
     assert sizes == {"small.png": (50, 40), "pano.png": (128, 32)}
@@ -234,15 +227,15 @@ def test_never_upscales_unless_asked_and_caps_the_long_side(tmp_path, photos, pr
 # -- other sources, labels and sharding --------------------------------------------------------
 
 def test_tars_and_multi_label_manifest_with_label_map(tmp_path, photos, prepare):
-    jpg = {n: _enc(photos[n], "JPEG") for n in ("astronaut", "chelsea", "coffee", "rocket")}
+    jpg = {n: encode(photos[n], "JPEG") for n in ("astronaut", "chelsea", "coffee", "rocket")}
     for synset, names in {"n01": ["astronaut", "chelsea"], "n02": ["coffee"]}.items():
         with tarfile.open(tmp_path / f"{synset}.tar", "w") as tf:
             for n in names:
                 info = tarfile.TarInfo(f"{synset}_{n}.JPEG")
                 info.size = len(jpg[n])
                 tf.addfile(info, io.BytesIO(jpg[n]))
-    _write(tmp_path / "m" / "r.jpg", jpg["rocket"])
-    _write(tmp_path / "m" / "c.jpg", _enc(photos["china"], "JPEG"))
+    write(tmp_path / "m" / "r.jpg", jpg["rocket"])
+    write(tmp_path / "m" / "c.jpg", encode(photos["china"], "JPEG"))
     (tmp_path / "m" / "labels.csv").write_text("uri,labels\nr.jpg,n01|n02\nc.jpg,n01|mystery\n")
     (tmp_path / "lm.json").write_text(json.dumps({"n01": 7, "n02": 3}))
     out = tmp_path / "out"
@@ -261,7 +254,7 @@ def test_tars_and_multi_label_manifest_with_label_map(tmp_path, photos, prepare)
 def test_reshard_an_existing_shard_set_to_a_smaller_size(tmp_path, photos, prepare):
     src = tmp_path / "src"
     for n in ("astronaut", "chelsea", "coffee"):
-        _write(src / n[0] / f"{n}.png", _enc(photos[n], "PNG"))
+        write(src / n[0] / f"{n}.png", encode(photos[n], "PNG"))
     first = prepare(input=[str(src)], output=str(tmp_path / "s1"), size=SIZE, store="raw")
     second = prepare(input=[str(tmp_path / "s1")], output=str(tmp_path / "s2"), size=32)
     a = {r["key"]: r for r in _rows(tmp_path / "s1")}
@@ -276,7 +269,7 @@ def test_reshard_an_existing_shard_set_to_a_smaller_size(tmp_path, photos, prepa
 def test_removed_keys_are_skipped_by_the_reader(tmp_path, photos, prepare):
     src = tmp_path / "src"
     for n in ("astronaut", "chelsea", "coffee", "rocket"):
-        _write(src / "x" / f"{n}.png", _enc(photos[n], "PNG"))
+        write(src / "x" / f"{n}.png", encode(photos[n], "PNG"))
     prepare(input=[str(src)], output=str(tmp_path / "o"), size=32, shard_mb=0.002)
     full = ShardSet(tmp_path / "o")
     keys = [r["key"] for r in _rows(tmp_path / "o")]
@@ -311,7 +304,7 @@ def test_memory_filesystem_input_and_output(photos, prepare):
 
     fs = fsspec.filesystem("memory")
     for n in ("astronaut", "chelsea"):
-        fs.pipe(f"/memsrc/k/{n}.png", _enc(photos[n], "PNG"))
+        fs.pipe(f"/memsrc/k/{n}.png", encode(photos[n], "PNG"))
     manifest = prepare(input=["memory://memsrc"], output="memory://memout", size=32)
     assert manifest["counts"]["written"] == 2
     ss = ShardSet("memory://memout")
@@ -325,7 +318,7 @@ def test_memory_filesystem_with_worker_processes_is_refused_up_front(photos, tmp
     from pipelines.config import PrepareConfig
     from pipelines.ingest import PrepareError, run_prepare
 
-    fsspec.filesystem("memory").pipe("/memsrc2/k/a.png", _enc(photos["astronaut"], "PNG"))
+    fsspec.filesystem("memory").pipe("/memsrc2/k/a.png", encode(photos["astronaut"], "PNG"))
     for cfg in (PrepareConfig(input=["memory://memsrc2"], output=str(tmp_path / "o"), workers=2),
                 PrepareConfig(input=[str(tmp_path)], output="memory://memout2", workers=2)):
         with pytest.raises(PrepareError, match="memory:// exists only inside this process.*--workers 1"):
@@ -337,15 +330,15 @@ def test_memory_filesystem_with_worker_processes_is_refused_up_front(photos, tmp
 
 def test_planted_copies_of_test_images_are_dropped(tmp_path, photos, prepare):
     test_a, test_b, corpus = tmp_path / "test_a", tmp_path / "test_b", tmp_path / "corpus"
-    _write(test_a / "t" / "astronaut.png", _enc(photos["astronaut"], "PNG"))
-    _write(test_a / "t" / "chelsea.png", _enc(photos["chelsea"], "PNG"))
-    _write(test_b / "t" / "coffee.png", _enc(photos["coffee"], "PNG"))
-    _write(corpus / "x" / "astronaut_copy.png", _enc(photos["astronaut"], "PNG"))  # exact
+    write(test_a / "t" / "astronaut.png", encode(photos["astronaut"], "PNG"))
+    write(test_a / "t" / "chelsea.png", encode(photos["chelsea"], "PNG"))
+    write(test_b / "t" / "coffee.png", encode(photos["coffee"], "PNG"))
+    write(corpus / "x" / "astronaut_copy.png", encode(photos["astronaut"], "PNG"))  # exact
     small = photos["chelsea"].resize((photos["chelsea"].width * 3 // 5, photos["chelsea"].height * 3 // 5))
-    _write(corpus / "x" / "chelsea_small.png", _enc(small, "PNG"))  # resized
-    _write(corpus / "x" / "coffee_q70.jpg", _enc(photos["coffee"], "JPEG", quality=70))  # re-encoded
+    write(corpus / "x" / "chelsea_small.png", encode(small, "PNG"))  # resized
+    write(corpus / "x" / "coffee_q70.jpg", encode(photos["coffee"], "JPEG", quality=70))  # re-encoded
     for n in ("rocket", "retina", "china", "flower", "camera", "hubble_deep_field"):
-        _write(corpus / "y" / f"{n}.png", _enc(photos[n], "PNG"))
+        write(corpus / "y" / f"{n}.png", encode(photos[n], "PNG"))
     out = tmp_path / "out"
     manifest = prepare(input=[str(corpus)], output=str(out), size=SIZE,
                        test_set=[f"setA={test_a}", f"setB={test_b}"])
@@ -364,8 +357,8 @@ def test_planted_copies_of_test_images_are_dropped(tmp_path, photos, prepare):
 def test_isolated_decoder_gives_the_same_shards(tmp_path, photos, prepare):
     src = tmp_path / "src"
     for n in ("astronaut", "chelsea"):
-        _write(src / "k" / f"{n}.png", _enc(photos[n], "PNG"))
-    _write(src / "k" / "bad.png", b"\x89PNG\r\n\x1a\n broken")
+        write(src / "k" / f"{n}.png", encode(photos[n], "PNG"))
+    write(src / "k" / "bad.png", b"\x89PNG\r\n\x1a\n broken")
     plain = prepare(input=[str(src)], output=str(tmp_path / "a"), size=32)
     isolated = prepare(input=[str(src)], output=str(tmp_path / "b"), size=32, isolate_decoder=True)
     assert isolated["shards"] == plain["shards"] and isolated["counts"] == plain["counts"]
@@ -379,7 +372,7 @@ def test_exact_copies_are_removed_across_many_shards_and_workers(tmp_path, photo
     names = ["astronaut", "chelsea", "coffee", "rocket", "china", "flower"]
     for n in names:
         for cls, fmt in (("a", "PNG"), ("b", "BMP"), ("c", "TIFF")):
-            _write(src / cls / f"{n}.{fmt.lower()}", _enc(photos[n].convert("RGB"), fmt))
+            write(src / cls / f"{n}.{fmt.lower()}", encode(photos[n].convert("RGB"), fmt))
     manifest = prepare(input=[str(src)], output=str(tmp_path / "o"), size=48, shard_mb=0.004, workers=2)
     c = manifest["counts"]
     assert len(manifest["shards"]) > 1
@@ -429,7 +422,7 @@ def test_a_record_lost_in_the_shuffle_is_caught_and_the_pipeline_run_again(tmp_p
 
     src, out = tmp_path / "src", tmp_path / "out"
     for name in ("astronaut", "chelsea", "coffee", "rocket"):
-        _write(src / "x" / f"{name}.png", _enc(photos[name], "PNG"))
+        write(src / "x" / f"{name}.png", encode(photos[name], "PNG"))
     runs = _lose_one_record(monkeypatch, tmp_path, attempts_that_lose=1)
     manifest = prepare(input=[str(src)], output=str(out), size=SIZE, workers=workers)
     assert len(runs.read_text().splitlines()) == 2 and manifest["attempts"] == 2
@@ -451,7 +444,7 @@ def test_a_mismatch_on_every_attempt_fails_loudly_and_writes_no_manifest(tmp_pat
 
     src, out = tmp_path / "src", tmp_path / "out"
     for name in ("astronaut", "chelsea"):
-        _write(src / "x" / f"{name}.png", _enc(photos[name], "PNG"))
+        write(src / "x" / f"{name}.png", encode(photos[name], "PNG"))
     _lose_one_record(monkeypatch, tmp_path, attempts_that_lose=MAX_ATTEMPTS)
     with pytest.raises(AccountingError) as err:
         prepare(input=[str(src)], output=str(out), size=SIZE)

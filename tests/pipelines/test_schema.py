@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 
 from pipelines.schema import (
-    MANIFEST, SCHEMA, SCHEMA_VERSION, ShardSet, ShardSetError, decode_row_image, make_key, text_uri,
+    MANIFEST,
+    SCHEMA,
+    SCHEMA_VERSION,
+    ShardSet,
+    ShardSetError,
+    decode_row_image,
+    make_key,
+    text_uri,
 )
 
 

@@ -4,7 +4,12 @@ import pytest
 
 from pipelines.schema import ShardSet
 from training.data import (
-    DecodeBatch, ShardImageDataset, eval_transform, inception_crop, split_rows, train_transform,
+    DecodeBatch,
+    ShardImageDataset,
+    eval_transform,
+    inception_crop,
+    split_rows,
+    train_transform,
 )
 
 

@@ -1,9 +1,8 @@
 """Ray Train pre-training on real shards: masked patch prediction, resume, schedules and errors."""
 import json
 
-import numpy as np
-
 import mlflow
+import numpy as np
 import pytest
 
 import vitcore

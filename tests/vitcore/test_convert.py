@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import vitcore
-from vitcore.model import ViTConfig, VisionTransformer
+from vitcore.model import VisionTransformer, ViTConfig
 
 # ---------------------------------------------------------------- NumPy reference of the Flax math
 
