@@ -22,7 +22,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
-from common import tracking
+from common import plots, tracking
 from common.config import check, not_recipe, parse_named
 from common.fs import atomic_write
 from common.jobenv import durable_path
@@ -175,38 +175,11 @@ def format_table(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
-    """Bars of test accuracy per task, grouped and coloured by group, with each group's mean."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = {"natural": "#4c72b0", "specialized": "#dd8452", "structured": "#55a868"}
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(results["tasks"]) + 3), 4.5))
-    x, ticks, labels = 0, [], []
-    for g in GROUPS:
-        names = [n for n, r in results["tasks"].items() if r["group"] == g]
-        if not names:
-            continue
-        start = x
-        for n in names:
-            ax.bar(x, results["tasks"][n]["test_accuracy"], color=colours[g], label=g if x == start else None)
-            ticks.append(x)
-            labels.append(n)
-            x += 1
-        ax.hlines(results["groups"][g], start - 0.4, x - 0.6, colors="black", linestyles="--")
-        ax.text((start + x - 1) / 2, min(1.02, results["groups"][g] + 0.02), f"{g} {results['groups'][g]:.3f}",
-                ha="center", fontsize=8)
-        x += 1
-    ax.set_xticks(ticks, labels, rotation=60, ha="right", fontsize=8)
-    ax.set_ylim(0, 1.08)
-    ax.set_ylabel("test top-1 accuracy")
+    """Bars of test accuracy per task, grouped by VTAB group, with each group's mean: the report's
+    VTAB figure given this one run."""
     s = results["setting"]
-    ax.set_title(f"VTAB-1k: mean {results['mean']:.3f} (lr {s['lr']:g}, {s['steps']} steps)")
-    ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    title = f"VTAB-1k: mean {results['mean']:.3f} (lr {s['lr']:g}, {s['steps']} steps)"
+    plots.write(plots.vtab_bars([{**results, "label": "test accuracy"}], title=title), path)
 
 
 def _sweep(cfg: VtabConfig, space: dict, name: str, output: Path, metric: str):
