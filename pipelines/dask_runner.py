@@ -42,6 +42,7 @@ unreachable ``--dask-address`` is one line, not a traceback after the graph is b
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -155,8 +156,6 @@ _TRANSLATIONS[_te.apache_beam.ParDo] = _ParDo
 
 def _bag_visitor(bag_kwargs: dict):
     """Beam 2.77's ``DaskRunner.to_dask_bag_visitor`` with this module's ParDo translation."""
-    import collections
-
     from apache_beam.pipeline import PipelineVisitor
 
     class Visitor(PipelineVisitor):

@@ -26,7 +26,9 @@ from __future__ import annotations
 import ctypes
 import io
 import math
+import struct
 import warnings
+import zlib
 
 import numpy as np
 import pyarrow as pa
@@ -296,9 +298,6 @@ def _png_data_ends_early(data: bytes) -> str | None:
     Pillow's zlib decoder stops without an error where the stream ends, and leaves the rows
     it never got black: a 312-byte file that claims 8000 x 8000 pixels decodes "fine".
     """
-    import struct
-    import zlib
-
     try:
         width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", data[16:29])
     except struct.error:

@@ -50,6 +50,12 @@ import traceback
 import uuid
 from typing import Any, Iterable, Iterator, Mapping
 
+import fsspec
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from common import config as vconfig
+from common import tracking
 from common.config import InputError
 from common.fs import atomic_open, atomic_write
 from common.fs import url_to_fs as _fs
@@ -60,6 +66,7 @@ from pipelines.config import PrepareConfig
 from pipelines.output import OutputFolder
 from pipelines.process import ProcessOptions, process_item, reject
 from pipelines.sources import SourceError, Unit, expand, plan
+from pipelines.spill import BLOB, Blobs, SpillImages
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +119,6 @@ def _jsonl(rows: Iterable[Mapping[str, Any]]) -> bytes:
 
 def load_label_map(path: str) -> dict[str, int]:
     """A label map file: JSON ``{"name": id}``, a JSON list of names, or a text file of one name per line."""
-    import fsspec
-
     try:
         with fsspec.open(path, "rt") as f:
             text = f.read()
@@ -267,11 +272,8 @@ def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, 
     (:mod:`pipelines.spill`); the images are read back one output batch at a time.
     Yields the shard's manifest entry, then a duplicate row for each record dropped.
     """
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
     from apache_beam.metrics import Metrics
 
-    from pipelines.spill import BLOB, Blobs
 
     index, records = group
     kept, dups = _pick_unique(records)
@@ -411,7 +413,6 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         dup_parts.append(matched_kinds["duplicate"])
 
     # From here on only metadata travels: the images wait in staging files (pipelines/spill.py).
-    from pipelines.spill import SpillImages
 
     records = records | "SpillImages" >> beam.ParDo(SpillImages(staging_url))
 
@@ -581,8 +582,6 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     """
     import apache_beam as beam
 
-    from common import config as vconfig
-    from common import tracking
     from pipelines.testsets import check_sources
 
     units = plan_inputs(cfg)

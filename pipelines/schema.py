@@ -50,6 +50,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
+from PIL import Image
 
 # The source column's text contract: names that are not UTF-8 are written with \xNN escapes.
 from common.config import InputError
@@ -470,8 +471,6 @@ def decode_row_image(
             raise ValueError(f"decode_row_image: raw image has {len(data)} bytes, {height}x{width}x3 needs {expected}")
         return np.frombuffer(data, dtype=np.uint8).reshape(int(height), int(width), 3).copy()
     if format == "jpeg":
-        from PIL import Image
-
         with Image.open(io.BytesIO(data)) as img:
             img = img.convert("RGB") if img.mode != "RGB" else img
             arr = np.asarray(img)

@@ -45,10 +45,14 @@ import stat
 import tarfile
 from typing import Callable, Iterator
 
+import fsspec
+import pyarrow.parquet as pq
+from PIL import Image
+
 from common.config import InputError
 from common.fs import irregular_file, irregular_reason, is_local, local_target, url_to_fs, within_roots
 from pipelines.decode import DEFAULT_MAX_FILE_MB, BadImage
-from pipelines.schema import MANIFEST, text_uri
+from pipelines.schema import MANIFEST, ShardSet, ShardSetError, make_key, text_uri
 
 TAR_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 MANIFEST_SUFFIXES = (".csv", ".jsonl", ".ndjson", ".parquet")
@@ -73,8 +77,6 @@ class SourceItem:
     @property
     def key(self) -> str:
         """The shard ``key`` this item gets (:func:`pipelines.schema.make_key` of its uri)."""
-        from pipelines.schema import make_key
-
         return make_key(self.uri)
 
     def read(self) -> bytes:
@@ -157,8 +159,6 @@ def _refuse_outside(url: str, allowed_roots: tuple[str, ...] | None) -> None:
 
 def _read_url(url: str, max_bytes: int | None = None, allowed_roots: tuple[str, ...] | None = None) -> bytes:
     try:
-        import fsspec
-
         _refuse_outside(url, allowed_roots)
         _refuse_irregular(url)
         local = local_target(url) if "::" not in url else None
@@ -284,8 +284,6 @@ def _plan_tree(fs, root: str, files_per_unit: int) -> list[Unit]:
 
 
 def _plan_shard_set(source: str, fs, root: str) -> list[Unit]:
-    from pipelines.schema import ShardSet, ShardSetError
-
     url = fs.unstrip_protocol(root)
     try:
         shard_set = ShardSet(url)
@@ -320,8 +318,6 @@ def _manifest_rows(fs, path: str) -> Iterator[dict]:
     lower = path.lower()
     try:
         if lower.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
             with fs.open(path, "rb") as f:
                 yield from pq.read_table(f).to_pylist()
         elif lower.endswith(".csv"):
@@ -403,8 +399,6 @@ def _expand_tar(url: str, default_labels: tuple[str, ...], max_bytes: int | None
                 allowed_roots: tuple[str, ...] | None = None) -> Iterator[SourceItem]:
     members = 0
     try:
-        import fsspec
-
         if allowed_roots is not None and not within_roots(url, allowed_roots):
             yield SourceItem(text_uri(url), _text_labels(default_labels), error=("outside_allowed_roots", text_uri(
                 f"{url}: not under --allowed-roots ({', '.join(allowed_roots)}); not read")))
@@ -443,16 +437,12 @@ def _expand_tar(url: str, default_labels: tuple[str, ...], max_bytes: int | None
 
 
 def _expand_shard(url: str, index: int) -> Iterator[SourceItem]:
-    from pipelines.schema import ShardSet
-
     shard_set = ShardSet(url)
     names = shard_set.label_names
     for batch in shard_set.iter_batches([index]):
         for row in batch.to_pylist():
             data = row["image"]
             if row["format"] == "raw":
-                from PIL import Image
-
                 buf = io.BytesIO()
                 # BMP: lossless and nearly free to encode, so raw rows round-trip exactly.
                 Image.frombytes("RGB", (row["width"], row["height"]), data).save(buf, "BMP")

@@ -29,6 +29,8 @@ try:
 except ImportError:  # a declared dependency; without it Pillow decodes every JPEG
     simplejpeg = None
 
+import pyarrow.compute as pc
+
 from common.config import ConfigError
 from pipelines.schema import ShardSet, decode_row_image
 
@@ -249,8 +251,6 @@ class _ShardColumns:
     """Zero-copy numpy views of one memory-mapped shard's columns, to read a row without a dict."""
 
     def __init__(self, table):
-        import pyarrow.compute as pc
-
         self.chunks = []
         starts = [0]
         for image, fmt, h, w, labels in zip(*(table.column(c).chunks for c in

@@ -22,8 +22,15 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
 
+import pyarrow.fs
+
+from common import tracking
 from common.config import ConfigError, check
+from common.fs import atomic_open, atomic_write, make_output_dir, url_to_fs
+from common.jobenv import durable_path, is_url
 from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progress_every
+from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
+from training import run_artifacts
 
 DEFAULT_EPOCHS = 10
 
@@ -207,19 +214,14 @@ def _config_error_from_workers(exc: BaseException) -> ConfigError | None:
 
 def _storage(cfg: PretrainConfig, output: Path) -> tuple[str, Any]:
     """Ray Train's (storage_path, storage_filesystem): a local folder, or any pyarrow or fsspec URL."""
-    from common.jobenv import durable_path, is_url
-
     if not cfg.storage_path:
         return str(output / "ray"), None
     if not is_url(cfg.storage_path):
         return str(Path(durable_path(cfg.storage_path, "storage_path")).expanduser().resolve()), None
-    import pyarrow.fs
 
     try:
         fs, path = pyarrow.fs.FileSystem.from_uri(cfg.storage_path)
     except (pyarrow.ArrowInvalid, pyarrow.ArrowNotImplementedError):
-        from common.fs import url_to_fs
-
         try:
             fsspec_fs, path = url_to_fs(cfg.storage_path)
         except (ImportError, ValueError) as exc:
@@ -255,9 +257,6 @@ def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) ->
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
     trained and the worker-group restarts."""
-    from common import tracking
-    from common.fs import atomic_write, make_output_dir
-    from pipelines.schema import shard_set_record
     from training.ray_utils import check_resume_snapshot, init_ray
 
     cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
@@ -287,9 +286,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
 def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, int]]:
     """The config with absolute paths, its shard set, the tracking URI and (steps per epoch, total
     steps). Checked here, before Ray starts, so the user gets one line instead of worker tracebacks."""
-    from common import tracking
-    from common.jobenv import durable_path
-    from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint
     from training.data import holdout_mask, shard_keys
 
     data = Path(cfg.data).expanduser()
@@ -360,7 +356,6 @@ def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tu
 def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id: str, total_steps: int,
              restarts: int) -> dict[str, Any]:
     """The final checkpoint's model copied beside the summary, and the summary."""
-    from common.fs import atomic_open
     from vitcore.checkpoint import MODEL_FILE
 
     model_path = output / MODEL_FILE
@@ -383,10 +378,6 @@ def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id
 def _publish(cfg: PretrainConfig, run: Any, summary: dict, shards: Any, output: Path, name: str) -> None:
     """Into the MLflow run: the summary, inspection figures, curves, lineage and the model
     (registered under ``register_as``); ``summary`` gains where they went."""
-    from common import tracking
-    from pipelines.schema import MANIFEST, file_sha256
-    from training import run_artifacts
-
     run_id, model_path = run.info.run_id, Path(summary["model"])
     tracking.log_metrics({"restarts": summary["restarts"], "steps": summary["steps"]})
     tracking.log_dict(summary, "pretrain_summary.json")

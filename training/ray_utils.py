@@ -1,8 +1,14 @@
 """Connecting to Ray the same way from a laptop, a test session, `ray job submit` and a cluster."""
 from __future__ import annotations
 
+import json
 import os
+import posixpath
 from pathlib import Path
+
+import pyarrow.fs
+
+from common.config import ConfigError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,11 +133,6 @@ def check_resume_snapshot(storage_path: str, run_name: str | None, storage_files
     check. ``storage_filesystem`` is the ``pyarrow.fs`` filesystem given to Ray Train, if any.
     Raises ConfigError naming the snapshot and the folder.
     """
-    import json
-    import posixpath
-
-    from common.config import ConfigError
-
     if not run_name:
         return
     run_dir = posixpath.join(str(storage_path).rstrip("/"), run_name)
@@ -141,8 +142,6 @@ def check_resume_snapshot(storage_path: str, run_name: str | None, storage_files
             with open(path, "rb") as f:
                 text = f.read()
         else:
-            import pyarrow.fs
-
             if storage_filesystem.get_file_info(path).type == pyarrow.fs.FileType.NotFound:
                 return
             with storage_filesystem.open_input_stream(path) as f:

@@ -10,7 +10,7 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
-from common import plots
+from common import plots, tracking
 
 MODEL_CODE = Path(__file__).with_name("mlflow_model.py")
 VITCORE = Path(__file__).resolve().parents[1] / "vitcore"
@@ -32,8 +32,6 @@ def log_vit_model(weights: str | Path, *, labels: list[str] | None = None, metad
     """Log ``weights`` (a vitcore safetensors checkpoint) as the active run's MLflow pyfunc model
     ``model``; vitcore goes with it as code, so the model loads without this project. Returns
     MLflow's ModelInfo (``model_uri`` for ``mlflow.pyfunc.load_model``)."""
-    from common import tracking
-
     return tracking.log_model_from_code(
         MODEL_CODE, weights=weights, code_paths=[str(VITCORE)], pip_requirements=_requirements(),
         metadata={"labels": list(labels or []), **(metadata or {})},

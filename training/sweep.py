@@ -18,6 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from common import progress, tracking
 from common.config import ConfigError
 from common.fs import atomic_open, atomic_write
+from common.progress import TrialLines
 
 STATE_FILE = "sweep_state.json"
 
@@ -37,7 +38,6 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
     """
     from ray import tune
 
-    from common.progress import TrialLines
 
     # Save the sweep's state after every event, not every 10 s or more: a sweep killed just after
     # a trial finished must not run that trial again on resume. The state is a few kB per trial.
