@@ -79,6 +79,10 @@ else
   die "no project environment: activate the venv (source .venv/bin/activate, created by 'make test') and run again"
 fi
 export PATH="$env_bin:$PATH"
+if [[ "$action" != token ]]; then
+  "$env_bin/python" -c 'import pyarrow, torch, ray.train, ray.dashboard' 2>/dev/null \
+    || die "$env_bin/python lacks the project's dependencies (pyarrow, torch, ray[default]); activate the project's venv ('make test' creates .venv) and run again"
+fi
 ray_bin="${RAY_BIN:-$env_bin/ray}"
 [[ -x "$ray_bin" ]] || die "no ray CLI at $ray_bin; install ray[default] into $env_bin/.. or activate the project's venv"
 
@@ -102,8 +106,6 @@ if [[ "$action" == token ]]; then
   exit 0
 fi
 
-"$env_bin/python" -c 'import pyarrow, torch, ray.train, ray.dashboard' 2>/dev/null \
-  || die "$env_bin/python lacks the project's dependencies (pyarrow, torch, ray[default]); activate the project's venv ('make test' creates .venv) and run again"
 if [[ -f "$pid_file" ]] && kill -0 -- "-$(cat "$pid_file")" 2>/dev/null; then
   die "a head started from $temp_dir is already running; run: $0 stop --temp-dir $temp_dir"
 fi
