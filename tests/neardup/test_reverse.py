@@ -132,6 +132,7 @@ def old_shards(request, tmp_path_factory, photos):
     apply("reverse_crop_2_all_q75", photos["coffee.png"]).save(root / "tests" / "coffee_cut.png")
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
+    from pipelines.schema import file_sha256
 
     mp = pytest.MonkeyPatch()
     mp.setenv("VITSCALE_HOME", str(root / "mlruns"))
@@ -148,6 +149,9 @@ def old_shards(request, tmp_path_factory, photos):
         table = table.set_column(i, table.schema.field(i), old)
         with pa.OSFile(str(path), "wb") as sink, ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
+        # The older ingest wrote its own manifest: the checksums match the shards it wrote.
+        entry["sha256"], entry["bytes"] = file_sha256(path), path.stat().st_size
+    (shards / "manifest.json").write_text(json.dumps(manifest))
     from pipelines.testsets import build_test_set_index
 
     fingerprint = build_test_set_index({"cuts": str(root / "tests")}).fingerprint("cuts")
