@@ -12,7 +12,7 @@ from training.pretrain import PretrainConfig, run_pretrain
 
 
 def test_missing_shards_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="has no manifest.json; run jobs/prepare.py"):
+    with pytest.raises(ConfigError, match=r"has no manifest.json; this is not a shard set or the prepare run did not complete; run jobs/prepare.py --input SOURCE --output "):
         run_pretrain(PretrainConfig(data=str(tmp_path / "nowhere"), output=str(tmp_path / "o")))
 
 
