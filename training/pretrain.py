@@ -69,6 +69,12 @@ class PretrainConfig:
         metadata={"recipe": False, "help": "shards: each worker decodes its slice of the memory-mapped shards; "
                           "ray_data: Ray Data data tasks decode and augment on CPUs the workers leave free"},
     )
+    augment: Literal["auto", "device", "item"] = field(
+        default="auto",
+        metadata={"recipe": False, "help": "where the Inception crop is resized, flipped and normalised: device: the CPU "
+                          "decodes and copies each crop, the worker's device resizes the batch; item: the CPU makes "
+                          "each image model-ready; auto: device with --use-gpu, item without"},
+    )
     loader_workers: int | None = field(default=None, metadata={"recipe": False, "help": "torch DataLoader processes per worker (shards loader); default 0 on CPU, cpus_per_worker-1 (at least 2) with --use-gpu"})
     num_workers: int = field(default=2, metadata={"help": "Ray Train workers"})
     cpus_per_worker: int = field(default=1, metadata={"recipe": False, "help": "CPUs reserved per worker (and torch threads)"})
@@ -137,6 +143,10 @@ class PretrainConfig:
         return self.batch_size // self.num_workers // self.microbatch_size
 
     @property
+    def device_augment(self) -> bool:
+        return self.augment == "device" or (self.augment == "auto" and self.use_gpu)
+
+    @property
     def dataloader_workers(self) -> int:
         # A GPU worker that decodes its own JPEGs starves; give it decoding processes by default.
         if self.loader_workers is not None:
@@ -185,7 +195,7 @@ def ray_data_stream(cfg: PretrainConfig, shards):
     import ray
 
     from pipelines.ray_source import read_shards
-    from training.data import DecodeBatch
+    from training.data import DecodeBatch, canvas_shape
 
     total = int(ray.cluster_resources().get("CPU", 0))
     reserved = cfg.num_workers * cfg.cpus_per_worker
@@ -195,7 +205,8 @@ def ray_data_stream(cfg: PretrainConfig, shards):
             f"{reserved} of the cluster's {total} CPUs; lower num_workers or cpus_per_worker, or use loader=shards"
         )
     decode = DecodeBatch(cfg.img_size, label_mode="multi" if cfg.loss == "sigmoid" else "single",
-                         num_classes=len(shards.label_map), holdout=cfg.holdout)
+                         num_classes=len(shards.label_map), holdout=cfg.holdout,
+                         canvas=canvas_shape(shards, cfg.img_size) if cfg.device_augment else None)
     columns = ["key", "image", "format", "height", "width", "labels"]
     return read_shards(cfg.data, columns=columns).map_batches(decode, batch_format="numpy", batch_size=64)
 

@@ -25,9 +25,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils.data import DataLoader, DistributedSampler
 
 import vitcore
+from training.augment import device_batch
 from training.checkpointer import Checkpointer, DataPosition, gather
 from training.data import (
+    ShardCropDataset,
     ShardImageDataset,
+    collate_crops,
     eval_transform,
     holdout_mask,
     normalize,
@@ -189,9 +192,13 @@ class Trainer:
             yield batch
 
     def _loss(self, batch) -> torch.Tensor:
-        x, y = batch
-        # uint8 batches (Ray Data) cross to the device at a quarter of the bytes, then normalise there.
-        x, y = normalize(x.to(self.device, non_blocking=True)), y.to(self.device, non_blocking=True)
+        # augment="device": the CPU only decoded and copied each crop; the per-pixel work is batched here.
+        if isinstance(batch, dict):
+            x, y = device_batch(batch, self.cfg.img_size, self.device)
+        else:
+            x, y = batch
+            # uint8 batches (Ray Data) cross to the device at a quarter of the bytes, then normalise there.
+            x, y = normalize(x.to(self.device, non_blocking=True)), y.to(self.device, non_blocking=True)
         with autocast(self.device, self.cfg.bf16):
             if self.mpp:
                 # Appendix B.1.2: loss only on the corrupted patches; "accuracy" is per patch.
@@ -249,12 +256,17 @@ def _optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
 
 
 def _datasets(cfg: Any) -> tuple[ShardImageDataset, ShardImageDataset, int]:
-    """(training rows, held-out rows, number of classes) of ``cfg.data``."""
+    """(training rows, held-out rows, number of classes) of ``cfg.data``. With ``device_augment``
+    the training rows are crop batches (:class:`ShardCropDataset`); the held-out rows stay per item."""
     full = ShardImageDataset(cfg.data, train_transform(cfg.img_size),
                              label_mode="multi" if cfg.loss == "sigmoid" else "single", seed=cfg.seed)
     held_out = holdout_mask(shard_keys(full.shards), cfg.holdout)
-    train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode,
-                                 rows=np.flatnonzero(~held_out), seed=cfg.seed)
+    if cfg.device_augment:
+        train_ds = ShardCropDataset(full.shards, cfg.img_size, label_mode=full.label_mode,
+                                    rows=np.flatnonzero(~held_out), seed=cfg.seed)
+    else:
+        train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode,
+                                     rows=np.flatnonzero(~held_out), seed=cfg.seed)
     held_ds = ShardImageDataset(full.shards, eval_transform(cfg.img_size), label_mode=full.label_mode,
                                 rows=np.flatnonzero(held_out), seed=cfg.seed)
     return train_ds, held_ds, full.num_classes
@@ -291,9 +303,10 @@ class ShardStream:
     def epoch(self, epoch: int, offset: int) -> Iterator:
         rows = self._order(epoch)[offset * self.per_worker: self.steps_per_epoch * self.per_worker]
         self.ds.set_epoch(epoch)
+        crops = {"collate_fn": collate_crops} if isinstance(self.ds, ShardCropDataset) else {}
         yield from DataLoader(self.ds, batch_size=self.cfg.microbatch_size, sampler=rows.tolist(), drop_last=True,
                               num_workers=self.cfg.dataloader_workers, pin_memory=self.device.type == "cuda",
-                              generator=_own_generator(self.cfg.seed))
+                              generator=_own_generator(self.cfg.seed), **crops)
 
     def rows(self, epoch: int, offset: int) -> np.ndarray:
         """The shard rows of step ``offset`` of ``epoch``."""
@@ -319,7 +332,7 @@ class RayDataStream:
             if i == self.steps_per_epoch * accum:
                 break
             if i >= offset * accum:
-                yield batch["image"], batch["label"]
+                yield batch if self.cfg.device_augment else (batch["image"], batch["label"])
 
     def rows(self, epoch: int, offset: int) -> None:
         return None

@@ -68,6 +68,17 @@ def test_ray_data_loader_streams_the_same_split(small_demo, tmp_path):
     assert np.isfinite(summary["metrics"]["holdout_loss"]) and "holdout_accuracy" in summary["metrics"]
 
 
+def test_ray_data_loader_trains_on_device_augmented_crops(small_demo, tmp_path):
+    shards = small_demo["work"] / "shards" / "corpus"
+    cfg = PretrainConfig(
+        data=str(shards), output=str(tmp_path / "rd-device"), variant="Ti/8", depth=1, img_size=32, steps=2,
+        batch_size=16, num_workers=1, loader="ray_data", augment="device", warmup_steps=1,
+        run_name="ray-data-device-test",
+    )
+    summary = run_pretrain(cfg)
+    assert summary["steps"] == 2 and np.isfinite(summary["metrics"]["train_loss"])
+
+
 def test_ray_data_loader_refuses_a_layout_that_would_stall(small_demo, tmp_path):
     shards = small_demo["work"] / "shards" / "corpus"
     cfg = PretrainConfig(data=str(shards), output=str(tmp_path / "stall"), num_workers=4, loader="ray_data",

@@ -96,6 +96,21 @@ def test_step_resume_gives_the_uninterrupted_parameters(shards, tmp_path, mlflow
     assert json.loads((tmp_path / "whole" / "lineage.json").read_text())["run_id"] == run.info.run_id
 
 
+def test_step_resume_on_the_device_augment_path_gives_the_uninterrupted_parameters(shards, tmp_path, mlflow_store):
+    # The crop boxes come from the same seeded per-row generator, so a resume redraws them exactly.
+    base = dict(data=str(shards / "corpus"), steps=6, batch_size=8, microbatch=4, checkpoint_every=2, dropout=0.1,
+                augment="device", **TINY)
+    whole = run_pretrain(PretrainConfig(output=str(tmp_path / "whole"), run_name="whole", **base))
+    first = run_pretrain(PretrainConfig(output=str(tmp_path / "split"), run_name="split", stop_after=3, **base))
+    assert first["steps"] == 3
+    second = run_pretrain(PretrainConfig(output=str(tmp_path / "split"), run_name="split", **base))
+    assert whole["steps"] == second["steps"] == 6
+    a, b = vitcore.load_checkpoint(whole["model"]), vitcore.load_checkpoint(second["model"])
+    for (name, p), q in zip(a.state_dict().items(), b.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6, msg=name)
+    assert whole["data_position"] == second["data_position"]
+
+
 def test_fsdp_checkpoint_continues_under_ddp(shards, tmp_path, mlflow_store):
     base = dict(data=str(shards / "corpus"), output=str(tmp_path / "fsdp"), run_name="fsdp", steps=4, batch_size=8,
                 checkpoint_every=2, **{**TINY, "num_workers": 2})
