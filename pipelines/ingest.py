@@ -66,7 +66,6 @@ from pipelines.config import PrepareConfig
 from pipelines.output import OutputFolder
 from pipelines.process import ProcessOptions, process_item, reject
 from pipelines.sources import SourceError, Unit, expand, plan
-from pipelines.spill import BLOB, Blobs, SpillImages
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +273,7 @@ def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, 
     """
     from apache_beam.metrics import Metrics
 
+    from pipelines.spill import BLOB, Blobs  # loads apache_beam
 
     index, records = group
     kept, dups = _pick_unique(records)
@@ -413,6 +413,7 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         dup_parts.append(matched_kinds["duplicate"])
 
     # From here on only metadata travels: the images wait in staging files (pipelines/spill.py).
+    from pipelines.spill import SpillImages
 
     records = records | "SpillImages" >> beam.ParDo(SpillImages(staging_url))
 

@@ -18,7 +18,6 @@ from typing import Any, Iterable, Iterator, Mapping
 from common import progress, tracking
 from common.config import ConfigError
 from common.fs import atomic_open, atomic_write
-from common.progress import TrialLines
 
 STATE_FILE = "sweep_state.json"
 
@@ -37,6 +36,8 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
     trial event, trials named by the config keys in ``label`` (:class:`common.progress.TrialLines`).
     """
     from ray import tune
+
+    from common.progress import TrialLines  # builds a ray.tune.Callback: loads Ray
 
 
     # Save the sweep's state after every event, not every 10 s or more: a sweep killed just after
