@@ -334,15 +334,14 @@ class TestSetIndex:
         keys = ((_blocks(q)[:, :, None] ^ probe.masks) + probe.block_base[:, None]).ravel()
         start = probe.offsets[keys]
         n = probe.offsets[keys + 1] - start
-        hit = np.flatnonzero(n)
-        if hit.size == 0:
+        ends = np.cumsum(n)
+        total = int(ends[-1]) if len(ends) else 0
+        if total == 0:
             e = np.zeros(0, dtype=np.int64)
             return e, e.copy(), e.copy()
-        n_hit = n[hit]
-        total = int(n_hit.sum())
-        qi = np.repeat(hit // per_query, n_hit)
-        within = np.arange(total) - np.repeat(np.cumsum(n_hit) - n_hit, n_hit)
-        ei = probe.order[np.repeat(start[hit], n_hit) + within]
+        # the buckets laid end to end: candidate i of bucket b sits at order[start[b] + i]
+        ei = probe.order[np.arange(total) + np.repeat(start - (ends - n), n)]
+        qi = np.repeat(np.arange(len(keys)) // per_query, n)
         # word by word on 1-D arrays (a (n, 2) gather and a row sum cost twice as much),
         # dropping candidates as soon as their distance passes the limit: most fail on the
         # first word, which spares the later words' gathers (cache misses in a large index)

@@ -28,10 +28,11 @@ import hashlib
 from typing import NamedTuple
 
 import numpy as np
+import pyarrow as pa
 from PIL import Image
 from scipy.fft import dct
 
-SIGNATURE_VERSION = 5
+SIGNATURE_VERSION = 6
 DCT_SIZE = 32
 CODE_BITS = 128
 SIGNATURE_BYTES = CODE_BITS // 8
@@ -47,12 +48,17 @@ _FREQS = int(max(_ROWS.max(), _COLS.max())) + 1
 # The orthonormal DCT-II rows up to the highest frequency a code keeps.
 _DCT = dct(np.eye(DCT_SIZE), norm="ortho", axis=0)[:_FREQS]
 _GRID = np.linspace(0.0, 1.0, DCT_SIZE + 1)
+# The same rows applied to the DCT_SIZE + 1 cell corners of a summed-area table: a cell
+# is the difference of its corners, so _DCT @ cells == _DCT_OF_CORNERS @ corners.
+_DCT_OF_CORNERS = _DCT @ (np.eye(DCT_SIZE, DCT_SIZE + 1, 1) - np.eye(DCT_SIZE, DCT_SIZE + 1))
 
 # Every code of an image is cut from one luminance proxy (:func:`proxy`): the
 # image reduced by an integer factor to a long side of PROXY_SIDE..2*PROXY_SIDE-1
 # pixels, once. A code then costs tens of microseconds whatever the image size
-# (issue 23: resampling the full image per code cost 0.4 ms a code).
-PROXY_SIDE = 128
+# (issue 23: resampling the full image per code cost 0.4 ms a code). 96 rather than
+# 128 (version 5) saves a fifth of the signatures' time with the same held-out recall; 64
+# lost recall and added false pairs (benchmarks/README.md, "Signature version 6").
+PROXY_SIDE = 96
 
 # Border trimming works on the proxy; a row or column is border when it is
 # flat and has the colour of the edge it touches. Tolerances absorb JPEG ringing.
@@ -135,9 +141,12 @@ def luminance(img: Image.Image) -> np.ndarray:
 class Proxy(NamedTuple):
     """The luminance of an image reduced once, from which all its codes are cut.
 
-    ``lum`` (h, w) float64 grey levels, each the mean of ``scale`` x ``scale`` image
-    pixels starting at ``offset`` (the image's remainder rows and columns, fewer than
-    ``scale``, are split between its two edges); ``sat`` its (h + 1, w + 1) summed-area table.
+    ``lum`` (h, w) float64 grey levels. Proxy pixel (i, j) covers image rows
+    ``offset[1] + i * scale`` .. ``+ scale`` and as many columns from ``offset[0] + j * scale``;
+    it is the mean of those columns along one image row, the band's first, where
+    ``scale >= ROW_SAMPLED_SCALE``, and the mean of the whole square below that.
+    The image's remainder rows and columns (fewer than ``scale``) are split between its
+    two edges. ``sat`` is its (h + 1, w + 1) summed-area table.
     """
 
     lum: np.ndarray
@@ -146,15 +155,57 @@ class Proxy(NamedTuple):
     offset: tuple[int, int]
 
 
+# From this reduction factor up, a proxy row is one image row (the middle of its band) averaged
+# along the row, not a square mean: reading every row of a decoded image is the cost of the
+# signatures (issue 23: two full Pillow passes took 0.35 ms of 0.68 ms an image), and a code
+# cell still averages several rows. Below it the image is small and read whole.
+ROW_SAMPLED_SCALE = 4
+
+
+def _rgbx_rows(img: Image.Image, y0: int, step: int, rows: int) -> Image.Image | None:
+    """Rows ``y0``, ``y0 + step``, ... of an RGB image as an ``RGBX`` image over its own memory, or None.
+
+    Pillow exports an RGB image's 4-byte pixels through the Arrow C data interface without
+    a copy (the same route as ``pipelines.decode.rgbx_view``); mapping them with a row
+    stride reads only the sampled rows. None where Pillow holds the image in several blocks.
+    """
+    try:
+        buf = pa.array(img).values.buffers()[1]
+    except (ValueError, TypeError, pa.ArrowException):
+        return None
+    line = img.width * 4
+    if buf is None or buf.size < img.width * img.height * 4:
+        return None
+    return Image.frombuffer("RGBX", (img.width, rows), buf.slice(y0 * line, rows * step * line), "raw", "RGBX",
+                            step * line, 1)
+
+
+def _sampled_rows(img: Image.Image, y0: int, step: int, rows: int) -> Image.Image:
+    """Luminance (mode L) of rows ``y0``, ``y0 + step``, ... of a decoded RGB or L image."""
+    if img.mode == "RGB":
+        view = _rgbx_rows(img, y0, step, rows)
+        if view is not None:
+            return view.convert("L")
+        img = img.convert("L")  # several memory blocks: a large image, read whole
+    return Image.fromarray(np.ascontiguousarray(np.asarray(img)[y0: y0 + rows * step: step]))
+
+
 def proxy(img: Image.Image | np.ndarray) -> Proxy:
     """The :class:`Proxy` of a decoded image, or of a :func:`luminance` array."""
-    lum = Image.fromarray(np.asarray(img, dtype=np.uint8)) if isinstance(img, np.ndarray) else _luminance_image(img)
-    f = max(1, min(max(lum.size) // PROXY_SIDE, min(lum.size)))  # a thin strip keeps one row
-    ox = oy = 0
-    if f > 1:
-        w, h = lum.width // f * f, lum.height // f * f
-        ox, oy = (lum.width - w) // 2, (lum.height - h) // 2
-        lum = lum.reduce(f, box=(ox, oy, ox + w, oy + h))
+    if isinstance(img, np.ndarray):
+        img = Image.fromarray(np.asarray(img, dtype=np.uint8))
+    elif img.mode not in ("L", "RGB"):
+        img = img.convert("RGB")
+    f = max(1, min(max(img.size) // PROXY_SIDE, min(img.size)))  # a thin strip keeps one row
+    w, h = img.width // f * f, img.height // f * f
+    ox, oy = (img.width - w) // 2, (img.height - h) // 2
+    if f >= ROW_SAMPLED_SCALE:
+        rows = _sampled_rows(img, oy, f, h // f)
+        lum = rows.reduce((f, 1), box=(ox, 0, ox + w, rows.height))
+    else:
+        lum = _luminance_image(img)
+        if f > 1:
+            lum = lum.reduce(f, box=(ox, oy, ox + w, oy + h))
     pixels = np.asarray(lum)
     sat = np.zeros((pixels.shape[0] + 1, pixels.shape[1] + 1), dtype=np.int32)  # exact: at most 255 * 255**2
     sat[1:, 1:] = pixels
@@ -163,16 +214,16 @@ def proxy(img: Image.Image | np.ndarray) -> Proxy:
     return Proxy(pixels.astype(np.float64), sat, f, (ox, oy))
 
 
-def _trim(lum: np.ndarray, mixed: bool = False) -> tuple[int, int, int, int]:
+def _trim(lum: np.ndarray, mixed_rows: bool = False, mixed_cols: bool = False) -> tuple[int, int, int, int]:
     """(left, top, right, bottom) of the content of ``lum`` inside uniform borders, in its pixels.
 
-    ``mixed``: ``lum`` is a reduced proxy, whose first line past a border mixes border and
-    content; it is trimmed too, since a strip of border colour moves the code far more than
-    losing under one proxy pixel of content does.
+    ``mixed_rows`` / ``mixed_cols``: ``lum`` is a reduced proxy whose first row / column past
+    a border mixes border and content (:func:`_mixed`); it is trimmed too, since a strip of
+    border colour moves the code far more than losing under one proxy pixel of content does.
     """
     ph, pw = lum.shape
 
-    def run(lines: np.ndarray, limit: int) -> int:
+    def run(lines: np.ndarray, limit: int, mixed: bool) -> int:
         if limit <= 0:
             return 0
         lines = lines[:limit]
@@ -195,10 +246,10 @@ def _trim(lum: np.ndarray, mixed: bool = False) -> tuple[int, int, int, int]:
         ch, cw = cur.shape
         if ch < 8 or cw < 8:
             break
-        t = run(cur, int(ph * _TRIM_MAX) - top)
-        b = run(cur[::-1], int(ph * _TRIM_MAX) - (ph - bottom))
-        l = run(cur.T, int(pw * _TRIM_MAX) - left)
-        r = run(cur.T[::-1], int(pw * _TRIM_MAX) - (pw - right))
+        t = run(cur, int(ph * _TRIM_MAX) - top, mixed_rows)
+        b = run(cur[::-1], int(ph * _TRIM_MAX) - (ph - bottom), mixed_rows)
+        l = run(cur.T, int(pw * _TRIM_MAX) - left, mixed_cols)
+        r = run(cur.T[::-1], int(pw * _TRIM_MAX) - (pw - right), mixed_cols)
         if not (t or b or l or r):
             break
         top, bottom, left, right = top + t, bottom - b, left + l, right - r
@@ -207,13 +258,18 @@ def _trim(lum: np.ndarray, mixed: bool = False) -> tuple[int, int, int, int]:
     return (left, top, right, bottom)
 
 
+def _mixed(p: Proxy) -> tuple[bool, bool]:
+    """Whether a proxy row / column mixes image lines: a row-sampled proxy row is one image row."""
+    return 1 < p.scale < ROW_SAMPLED_SCALE, p.scale > 1
+
+
 def _trim_region(p: Proxy, box: tuple[float, float, float, float]) -> tuple[float, float, float, float]:
     """``box`` (proxy pixels, fractional) trimmed of uniform borders as if it were cropped out first.
 
     The trim reads whole proxy pixels; a side that loses nothing keeps its fractional edge.
     """
     x0, y0, x1, y1 = (int(round(v)) for v in box)
-    l, t, r, b = _trim(p.lum[y0:y1, x0:x1], p.scale > 1)
+    l, t, r, b = _trim(p.lum[y0:y1, x0:x1], *_mixed(p))
     return (box[0] if l == 0 else x0 + l, box[1] if t == 0 else y0 + t,
             box[2] if r == x1 - x0 else x0 + r, box[3] if b == y1 - y0 else y0 + b)
 
@@ -225,7 +281,7 @@ def trim_box(lum: np.ndarray | Image.Image) -> tuple[int, int, int, int]:
     """
     p = proxy(lum)
     h, w = (lum.height, lum.width) if isinstance(lum, Image.Image) else lum.shape
-    l, t, r, b = _trim(p.lum, p.scale > 1)
+    l, t, r, b = _trim(p.lum, *_mixed(p))
     (ox, oy), f = p.offset, p.scale
     return (0 if l == 0 else ox + l * f, 0 if t == 0 else oy + t * f,
             w if r == p.lum.shape[1] else ox + r * f, h if b == p.lum.shape[0] else oy + b * f)
@@ -244,7 +300,9 @@ def _coeffs(p: Proxy, boxes) -> np.ndarray:
 
     Each box is area-averaged to DCT_SIZE x DCT_SIZE cells (a box filter, exact for
     fractional edges: the summed-area table is bilinear between its knots), then
-    transformed. Cell sums stand in for cell means: a positive scale moves no bit.
+    transformed. Cell sums stand in for cell means: a positive scale moves no bit. The
+    cells are differences of the table at their corners, folded into the transform
+    (``_DCT_OF_CORNERS``): the ingest pays for every numpy pass here (issue 23).
     """
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
     h, w = p.sat.shape[0] - 1, p.sat.shape[1] - 1
@@ -257,9 +315,8 @@ def _coeffs(p: Proxy, boxes) -> np.ndarray:
     table = p.sat.ravel()
     g00, g01, g10, g11 = (table.take(at + d) for d in (0, 1, w + 1, w + 2))
     top = g00 + fx * (g01 - g00)
-    s = top + fy * (g10 + fx * (g11 - g10) - top)  # the table at the cell corners, (k, 33, 33)
-    cells = s[:, 1:, 1:] - s[:, :-1, 1:] - s[:, 1:, :-1] + s[:, :-1, :-1]
-    return (_DCT @ cells @ _DCT.T)[:, _ROWS, _COLS]
+    corners = top + fy * (g10 + fx * (g11 - g10) - top)  # the table at the cell corners, (k, 33, 33)
+    return (_DCT_OF_CORNERS @ corners @ _DCT_OF_CORNERS.T)[:, _ROWS, _COLS]
 
 
 def _median(values: np.ndarray) -> np.ndarray:
@@ -288,7 +345,7 @@ def texture_margin(img: Image.Image) -> float:
     content hash only.
     """
     p = proxy(img)
-    box = _trim(p.lum, p.scale > 1)
+    box = _trim(p.lum, *_mixed(p))
     return _margin(_coeffs(p, box)[0] / _cell_area(p, box))
 
 
@@ -300,12 +357,12 @@ def _cell_area(p: Proxy, box) -> float:
 def compute(img: Image.Image) -> bytes:
     """The near-duplicate signature of a decoded image: ``SIGNATURE_BYTES`` bytes (its trimmed whole-image code)."""
     p = proxy(img)
-    return _bits(_coeffs(p, _trim(p.lum, p.scale > 1)))[0].tobytes()
+    return _bits(_coeffs(p, _trim(p.lum, *_mixed(p))))[0].tobytes()
 
 
 def _corpus_boxes(p: Proxy) -> list[tuple[float, float, float, float]]:
     """The boxes of :func:`corpus_codes`: the trimmed image, then each ``INNER_CROPS`` entry of it."""
-    whole = tuple(float(v) for v in _trim(p.lum, p.scale > 1))
+    whole = tuple(float(v) for v in _trim(p.lum, *_mixed(p)))
     boxes = [whole]
     for frac, trim in zip(INNER_CROPS, INNER_TRIM):
         box = _inset(whole, frac)
@@ -338,7 +395,7 @@ def corpus_codes_any_texture(img: Image.Image) -> np.ndarray:
 def _variant_boxes(p: Proxy) -> tuple[list, list]:
     """(crops of the trimmed image, the same crops of the untrimmed image trimmed after cropping)."""
     h, w = p.lum.shape
-    whole = tuple(float(v) for v in _trim(p.lum, p.scale > 1))
+    whole = tuple(float(v) for v in _trim(p.lum, *_mixed(p)))
     trimmed = [_inset(whole, frac) for frac in CROP_VARIANTS]
     raw = [_trim_region(p, _inset((0.0, 0.0, float(w), float(h)), frac)) for frac in CROP_VARIANTS]
     return trimmed, raw

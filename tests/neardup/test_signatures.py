@@ -29,8 +29,8 @@ def test_signature_bits_are_pinned():
     from common.photos import photo
 
     img = photo("astronaut.png")
-    assert sig.SIGNATURE_VERSION == 5
-    assert sig.compute(img).hex() == "c1281badf2b86df8613a2769a4ea66e2"
+    assert sig.SIGNATURE_VERSION == 6
+    assert sig.compute(img).hex() == "c1281badf2b86df861ba2729a4ea76a2"
     assert sig.content_hash(img) == "62eda70fa36c2fe372d20ba7db5fb7f3cb54f960df12e2332153325531b7c1bf"
 
 
@@ -46,6 +46,25 @@ def test_corpus_side_signature_equals_the_index_side_uncropped_code(photos, fram
 def test_grayscale_copy_has_the_same_signature(photos):
     for img in photos.values():
         assert sig.compute(img.convert("L").convert("RGB")) == sig.compute(img)
+
+
+@pytest.mark.parametrize("scale", [1, 5])
+def test_row_sampled_proxy_is_the_same_for_a_grayscale_copy(photos, scale):
+    # A decoded RGB image's proxy rows are read through Pillow's own memory; one held in
+    # several memory blocks (scale 5: 2560 px, over Pillow's 16 MB block) and an L image
+    # are read through numpy. Every path must pick the same rows and the same luminance.
+    img = photos["astronaut.png"]
+    img = img.resize((img.width * scale, img.height * scale), Image.Resampling.NEAREST)
+    p = sig.proxy(img)
+    assert p.scale >= sig.ROW_SAMPLED_SCALE
+    gray = img.convert("L")
+    assert np.array_equal(sig.proxy(gray).lum, p.lum)
+    assert np.array_equal(sig.proxy(np.asarray(gray)).lum, p.lum)
+    # a proxy pixel is the mean of its band's first row over the band's columns
+    lum = np.asarray(gray, dtype=np.float64)
+    (ox, oy), f = p.offset, p.scale
+    rows = lum[oy: oy + p.lum.shape[0] * f: f, ox: ox + p.lum.shape[1] * f]
+    assert np.abs(rows.reshape(len(rows), -1, f).mean(axis=2) - p.lum).max() < 1
 
 
 def test_uniform_frame_is_trimmed_before_hashing(photos):
