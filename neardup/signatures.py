@@ -146,7 +146,7 @@ class Proxy(NamedTuple):
     it is the mean of those columns along one image row, the band's first, where
     ``scale >= ROW_SAMPLED_SCALE``, and the mean of the whole square below that.
     The image's remainder rows and columns (fewer than ``scale``) are split between its
-    two edges. ``sat`` is its (h + 1, w + 1) summed-area table.
+    two edges. ``sat`` is its (h + 1, w + 1) summed-area table (float64, exact).
     """
 
     lum: np.ndarray
@@ -211,7 +211,8 @@ def proxy(img: Image.Image | np.ndarray) -> Proxy:
     sat[1:, 1:] = pixels
     np.cumsum(sat, axis=1, out=sat)
     np.cumsum(sat, axis=0, out=sat)
-    return Proxy(pixels.astype(np.float64), sat, f, (ox, oy))
+    # float64 holds these sums exactly, and numpy gathers and interpolates it twice as fast as int32
+    return Proxy(pixels.astype(np.float64), sat.astype(np.float64), f, (ox, oy))
 
 
 def _trim(lum: np.ndarray, mixed_rows: bool = False, mixed_cols: bool = False) -> tuple[int, int, int, int]:
@@ -228,8 +229,7 @@ def _trim(lum: np.ndarray, mixed_rows: bool = False, mixed_cols: bool = False) -
             return 0
         lines = lines[:limit]
         first = lines[0]
-        mean = first.sum() / len(first)
-        if np.dot(first, first) / len(first) - mean * mean > _TRIM_STD ** 2:  # most images: no border
+        if np.dot(first, first) / len(first) - (first.sum() / len(first)) ** 2 > _TRIM_STD ** 2:
             return 0
         mean = lines.mean(axis=1)
         flat = (lines.std(axis=1) <= _TRIM_STD) & (np.abs(mean - mean[0]) <= _TRIM_MEAN)
@@ -237,6 +237,9 @@ def _trim(lum: np.ndarray, mixed_rows: bool = False, mixed_cols: bool = False) -
             return len(lines)
         return int(np.argmin(flat)) + mixed
 
+    if ph >= 8 and pw >= 8 and all(np.dot(e, e) / len(e) - (e.sum() / len(e)) ** 2 > _TRIM_STD ** 2
+                                   for e in (lum[0], lum[-1], lum[:, 0], lum[:, -1])):
+        return (0, 0, pw, ph)  # most images: no edge is flat, which run() would find side by side
     # Repeat so a frame added around an image whose own margin is flat peels down
     # to the same content as the original: frame first, then the natural margin.
     left = top = 0
