@@ -309,16 +309,15 @@ def _coeffs(p: Proxy, boxes) -> np.ndarray:
     """
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
     h, w = p.sat.shape[0] - 1, p.sat.shape[1] - 1
-    xs = np.clip(boxes[:, :1] + (boxes[:, 2:3] - boxes[:, :1]) * _GRID, 0, w)
-    ys = np.clip(boxes[:, 1:2] + (boxes[:, 3:4] - boxes[:, 1:2]) * _GRID, 0, h)
-    x0 = np.minimum(xs.astype(np.intp), w - 1)
-    y0 = np.minimum(ys.astype(np.intp), h - 1)
-    fx, fy = (xs - x0)[:, None, :], (ys - y0)[:, :, None]
-    at = (y0 * (w + 1))[:, :, None] + x0[:, None, :]
-    table = p.sat.ravel()
-    g00, g01, g10, g11 = (table.take(at + d) for d in (0, 1, w + 1, w + 2))
-    top = g00 + fx * (g01 - g00)
-    corners = top + fy * (g10 + fx * (g11 - g10) - top)  # the table at the cell corners, (k, 33, 33)
+    lo = boxes[:, :2, None]
+    edges = np.minimum(np.maximum(lo + (boxes[:, 2:, None] - lo) * _GRID, 0), [[w], [h]])  # (k, 2: x, y, 33)
+    knot = np.minimum(edges.astype(np.intp), [[w - 1], [h - 1]])
+    frac = edges - knot
+    fx, fy = frac[:, None, 0, :], frac[:, 1, :, None]
+    at = (knot[:, 1] * (w + 1))[:, :, None] + knot[:, None, 0]
+    g = p.sat.ravel().take(at + np.array([0, 1, w + 1, w + 2])[:, None, None, None])  # 4 knots a corner
+    top = g[0] + fx * (g[1] - g[0])
+    corners = top + fy * (g[2] + fx * (g[3] - g[2]) - top)  # the table at the cell corners, (k, 33, 33)
     return (_DCT_OF_CORNERS @ corners @ _DCT_OF_CORNERS.T)[:, _ROWS, _COLS]
 
 
