@@ -81,20 +81,21 @@ def _load_state(path: Path, index: TestSetIndex) -> tuple[dict, str | None]:
     return state, None
 
 
-def _corpus_codes(table: pa.Table, phash: list) -> tuple[list[int], np.ndarray]:
+def _corpus_codes(table: pa.Table, phash: list, current: bool) -> tuple[list[int], np.ndarray]:
     """(rows, codes): the rows that carry near-duplicate codes and their (CORPUS_CODES, SIGNATURE_BYTES) codes.
 
-    From the ``phash`` column where it holds ``signatures.corpus_codes`` (empty:
-    a low-texture image, matched by content hash only). Shards written before
-    signature version 3 hold only the whole-image code, so their codes are
-    recomputed from the stored image (resized by the ingest, which the
-    signature tolerates: the calibration's resize transforms); without that the
-    re-check under the new rule could not see the reverse direction.
+    From the ``phash`` column where it holds ``signatures.corpus_codes`` of this
+    signature version (``current``: the manifest's ``signature_version``; empty:
+    a low-texture image, matched by content hash only). Codes of another version
+    are recomputed from the stored image (resized by the ingest, which the
+    signature tolerates: the calibration's resize transforms): version 5 codes
+    have version 6's length but come from another proxy, and shards before
+    version 3 hold only the whole-image code, blind to the reverse direction.
     """
     by_row: dict[int, bytes] = {}
     stale = []
     for i, p in enumerate(phash):
-        if p is not None and len(p) in (0, sig.CORPUS_SIGNATURE_BYTES):
+        if current and p is not None and len(p) in (0, sig.CORPUS_SIGNATURE_BYTES):
             by_row[i] = p
         else:
             stale.append(i)
@@ -127,6 +128,7 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex, *, run_id: str | N
     per_set = {name: 0 for name in fingerprints}
     checked = pairs = rows = 0
     todo_all: set[str] = set()
+    current = shard_set.manifest.get("signature_version") == sig.SIGNATURE_VERSION
     for i, shard in enumerate(shard_set.shards):
         entry = state["shards"].setdefault(shard["sha256"], {"path": shard["path"], "test_sets": {}})
         todo = {n for n, fp in fingerprints.items() if entry["test_sets"].get(n) != fp}
@@ -143,7 +145,7 @@ def rescan(shard_dir: str | os.PathLike, index: TestSetIndex, *, run_id: str | N
         hashes = table.column(schema.CONTENT_HASH).to_pylist()
         phash = table.column(schema.PHASH).to_pylist()
         uris = table.column(schema.SOURCE).to_pylist() if schema.SOURCE in table.column_names else [""] * len(keys)
-        coded, codes = _corpus_codes(table, phash)
+        coded, codes = _corpus_codes(table, phash, current)
         found: dict[int, dict] = {}
 
         def name_row(row: int, r: int, d: int, exact: bool, direction: str) -> dict:

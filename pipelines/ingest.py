@@ -61,6 +61,7 @@ from common.fs import atomic_open, atomic_write
 from common.fs import url_to_fs as _fs
 from common.jobenv import durable_path
 from common.progress import TTY_EVERY, IngestProgress, ProgressLine, Ticker
+from neardup.signatures import SIGNATURE_VERSION
 from pipelines import local_runner, schema, worker_counts
 from pipelines.config import PrepareConfig
 from pipelines.output import OutputFolder
@@ -773,5 +774,7 @@ def _summarise(outputs: list[dict], cfg: PrepareConfig, label_map, test_sets) ->
         "label_map": dict(sorted(final_map.items(), key=lambda kv: kv[1])),
         "counts": counts,
         "sources": list(cfg.input),
+        # dedup.rescan recomputes the phash codes of a set written under another version.
+        "signature_version": SIGNATURE_VERSION,
     }
     return manifest, quarantine, duplicates

@@ -98,3 +98,46 @@ def test_job_rebuilds_an_index_saved_under_other_crop_variants(corpus, monkeypat
     assert "delete" not in line  # it used to tell the user to do what it was doing
     assert summary["test_images"]["set_a"] == 2
     assert json.loads(manifest_path.read_text())["crop_variants"] != manifest["crop_variants"]
+
+
+def _copy_with_codes(src: Path, dst: Path, *, zero_codes: bool, signature_version: int | None) -> Path:
+    """The shard set at ``src`` copied to ``dst``, its phash codes zeroed if asked, under a manifest version."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    dst.mkdir()
+    manifest = json.loads((src / MANIFEST).read_text())
+    for shard in manifest["shards"]:
+        table = ipc.open_file(pa.memory_map(str(src / shard["path"]))).read_all()
+        if zero_codes:
+            codes = [None if p is None else bytes(len(p)) for p in table.column("phash").to_pylist()]
+            i = table.column_names.index("phash")
+            table = table.set_column(i, table.schema.field(i), pa.array(codes, pa.binary()))
+        with ipc.new_file(str(dst / shard["path"]), table.schema) as writer:
+            writer.write_table(table)
+        data = (dst / shard["path"]).read_bytes()
+        shard.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+    if signature_version is None:
+        manifest.pop("signature_version", None)
+    else:
+        manifest["signature_version"] = signature_version
+    (dst / MANIFEST).write_text(json.dumps(manifest))
+    return dst
+
+
+@pytest.mark.parametrize("version", [None, 5])
+def test_codes_of_another_signature_version_are_recomputed_from_the_stored_images(corpus, tmp_path, monkeypatch,
+                                                                                   version):
+    from neardup.signatures import SIGNATURE_VERSION
+
+    monkeypatch.setenv("VITSCALE_HOME", str(corpus / "mlruns"))
+    assert json.loads((corpus / "shards" / MANIFEST).read_text())["signature_version"] == SIGNATURE_VERSION
+    # Codes that match nothing stand in for another version's: they are the same length, so only the
+    # manifest's version tells the rescan not to trust them.
+    old = _copy_with_codes(corpus / "shards", tmp_path / "old", zero_codes=True, signature_version=version)
+    assert run(DedupConfig(shards=str(old), test_set=[f"set_a={corpus / 'set_a'}"]))["new_removals"] == 2
+    trusted = _copy_with_codes(corpus / "shards", tmp_path / "now", zero_codes=True,
+                               signature_version=SIGNATURE_VERSION)
+    assert run(DedupConfig(shards=str(trusted), test_set=[f"set_a={corpus / 'set_a'}"]))["new_removals"] == 0
