@@ -536,7 +536,8 @@ def _publish(cfg: PretrainConfig, run: Any, summary: dict, shards: Any, output: 
         tracking.log_artifact(curves, "plots")
     # Beside the model, for the stages that read it: this run and its lineage.
     tracking.write_lineage(output, run, "pretrain")
-    info = run_artifacts.log_vit_model(model_path, labels=shards.label_names,
+    info = run_artifacts.log_vit_model(model_path, name=run_artifacts.model_name("pretrain", cfg.variant, Path(cfg.data).name),
+                                       labels=shards.label_names,
                                        metadata={"vitscale.pretrain_run_id": run_id, "vitscale.objective": cfg.objective})
     summary["mlflow_model_uri"] = info.model_uri
     if cfg.register_as:

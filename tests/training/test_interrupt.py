@@ -136,3 +136,50 @@ def _complete_steps_any(out: Path) -> dict[str, int]:
     for run_dir in (out / "ray").glob("*"):
         steps.update(_complete_steps(run_dir))
     return steps
+
+
+def _logged_models(home: Path, run_id: str) -> list:
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{home / 'mlflow.db'}")
+    try:
+        exps = [e.experiment_id for e in mlflow.MlflowClient().search_experiments()]
+        return mlflow.search_logged_models(experiment_ids=exps, filter_string=f"source_run_id = '{run_id}'",
+                                           output_format="list")
+    finally:
+        mlflow.set_tracking_uri(None)
+
+
+def test_ctrl_c_on_finetune_is_one_line_and_a_finished_rerun_logs_no_second_model(tiny_shards, tmp_path,
+                                                                                  build_pretrained):
+    home, out = tmp_path / "home", tmp_path / "out"
+    pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
+    job = [sys.executable, "jobs/finetune.py", "--train", str(tiny_shards), "--test", str(tiny_shards),
+           "--pretrained", str(pretrained), "--output", str(out), "--lrs", "0.01,0.03,0.1", "--steps", "60",
+           "--batch-size", "4", "--warmup-steps", "2", "--max-concurrent", "1", "--val-fraction", "0.25",
+           "--flip", "false"]
+    proc = subprocess.Popen(job, env=_env(home), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None and not list((out / "ray" / "select").glob("*/checkpoint_*")):
+            time.sleep(0.2)
+        time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    # Before: Tune's "Tuner.restore" hint and a TypeError traceback.
+    assert proc.returncode == 130, stderr[-3000:]
+    lines = [line for line in _own_lines(stderr) if not line.startswith("finetune select:")]
+    assert lines == [f"finetune: interrupted by SIGINT; the trials that finished are kept in {out / 'ray'}; "
+                     f"resume with: python jobs/finetune.py {' '.join(job[2:])}"], stderr
+    assert [r.info.status for r in _runs(home) if r.data.tags.get("vitscale.stage") == "finetune"] == ["KILLED"]
+
+    for _ in range(2):  # the resume, then a re-run of the finished fine-tune
+        rerun = subprocess.run(job, env=_env(home), cwd=REPO, capture_output=True, text=True, timeout=600)
+        assert rerun.returncode == 0, rerun.stderr[-3000:]
+    run_id = json.loads(rerun.stdout)["mlflow_run_id"]
+    assert [m.name for m in _logged_models(home, run_id)] == [f"finetune-Ti8-{tiny_shards.name}"]
