@@ -33,7 +33,7 @@ import pyarrow.fs
 from common import tracking
 from common.cli import Interrupted, interrupts
 from common.config import ConfigError, check
-from common.fs import atomic_open, atomic_write, make_output_dir, url_to_fs
+from common.fs import atomic_write, make_output_dir, url_to_fs
 from common.jobenv import durable_path, is_url
 from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progress_every
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
@@ -281,17 +281,11 @@ def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) ->
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
     trained and the worker-group restarts."""
-    from training.checkpointer import scan_run
-    from training.ray_utils import check_resume_snapshot, init_ray
+    from training.ray_utils import init_ray
 
     cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
     storage = _storage(cfg, Path(cfg.output))
-    cfg = _claim_output(cfg, storage)
-    known = check_resume_snapshot(storage[0], cfg.run_name, storage[1])
-    resume = _resume_point(cfg, storage, known)
-    output = make_output_dir(Path(cfg.output))
-    atomic_write(output / RUN_RECORD, json.dumps({"run_name": cfg.run_name, "config": dataclasses.asdict(cfg)},
-                                                 indent=2, default=str))
+    cfg, resume, output = _claim(cfg, storage)
     _warn_one_class(cfg, shards)
     init_ray(cfg.ray_address)
     datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}
@@ -312,8 +306,6 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         except KeyboardInterrupt as exc:
             tracking.end_active_run("KILLED")
             raise Interrupted(getattr(exc, "signum", signal.SIGINT), _kept(cfg, storage, total_steps)) from None
-        if storage[1] is None:  # the checkpoint folders the finished fit's snapshot no longer lists
-            scan_run(Path(storage[0]) / cfg.run_name, check_resume_snapshot(storage[0], cfg.run_name))
         summary = _summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts)
         _publish(cfg, run, summary, shards, output, name)
         atomic_write(output / SUMMARY, json.dumps(summary, indent=2))
@@ -339,6 +331,20 @@ def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, 
     train_rows = int((~holdout_mask(shard_keys(shards), cfg.holdout)).sum())
     plan = cfg.plan_steps(train_rows, cfg.num_workers)
     return dataclasses.replace(cfg, output=str(output)), shards, uri, plan
+
+
+def _claim(cfg: PretrainConfig, storage: tuple[str, Any]) -> tuple[PretrainConfig, dict, Path]:
+    """Before Ray starts: the run ``output`` holds (or a new one), where it resumes from, checked
+    against this config, and the output folder with the run's record in it."""
+    from training.ray_utils import check_resume_snapshot
+
+    output = make_output_dir(Path(cfg.output))
+    cfg = _claim_output(cfg, storage)
+    known = check_resume_snapshot(storage[0], cfg.run_name, storage[1])
+    resume = _resume_point(cfg, storage, known)
+    atomic_write(output / RUN_RECORD, json.dumps({"run_name": cfg.run_name, "config": dataclasses.asdict(cfg)},
+                                                 indent=2, default=str))
+    return cfg, resume, output
 
 
 def _claim_output(cfg: PretrainConfig, storage: tuple[str, Any]) -> PretrainConfig:
@@ -431,8 +437,9 @@ def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tu
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from training.checkpointer import scan_run
     from training.loopback_torch import LoopbackTorchConfig
-    from training.ray_utils import ProgressBoard
+    from training.ray_utils import ProgressBoard, check_resume_snapshot
 
     starts = ray.remote(num_cpus=0)(_StartCounter).remote()
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
@@ -469,6 +476,8 @@ def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tu
             ray.kill(board)
     if result.error:
         raise _config_error_from_workers(result.error) or result.error
+    if storage_fs is None:  # the checkpoint folders the finished fit's snapshot no longer lists
+        scan_run(Path(storage_path) / cfg.run_name, check_resume_snapshot(storage_path, cfg.run_name))
     restarts = max(0, ray.get(starts.count.remote()) - 1)
     ray.kill(starts)
     return result, restarts
@@ -498,12 +507,9 @@ def _in_thread(fit: Any) -> Any:
 def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id: str, total_steps: int,
              restarts: int) -> dict[str, Any]:
     """The final checkpoint's model copied beside the summary, and the summary."""
-    from vitcore.checkpoint import MODEL_FILE
+    from training.sweep import copy_final_model
 
-    model_path = output / MODEL_FILE
-    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
-            atomic_open(model_path) as dst:
-        shutil.copyfileobj(src, dst)
+    model_path = copy_final_model(result, output)
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
     steps = int(metrics.get("step", 0))
     return {"metrics": metrics, "model": str(model_path), "mlflow_run_id": run_id,

@@ -97,7 +97,8 @@ def report_final(metrics: dict, model) -> None:
 
 
 def copy_final_model(result, output: Path) -> Path:
-    """Copy the model a trial reported (:func:`report_final`) into ``output``; returns its path there."""
+    """Copy the model a trial (:func:`report_final`) or a pre-training fit reported with its last
+    checkpoint into ``output``; returns its path there."""
     from vitcore.checkpoint import MODEL_FILE
 
     with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
