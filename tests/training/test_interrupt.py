@@ -105,6 +105,7 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout)
     assert summary["resumed_from_step"] == newest and summary["steps"] == newest + 2
+    assert [m.name for m in _logged_models(home, summary["mlflow_run_id"])] == [f"pretrain-Ti8-{tiny_shards.name}"]
     snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
     listed = {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
     assert {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()} == listed  # orphans and the torn folder are gone
