@@ -1,14 +1,57 @@
 """The shared shape of every entrypoint in ``jobs/``: parse a typed config, run, report errors plainly."""
 from __future__ import annotations
 
+import contextlib
 import json
+import shlex
+import signal
 import sys
-from typing import Any, Callable, Sequence, TypeVar
+import threading
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from common import progress
 from common.config import InputError, parse_args
 
 T = TypeVar("T")
+
+
+class Interrupt(KeyboardInterrupt):
+    """SIGINT or SIGTERM, raised in the main thread while :func:`interrupts` is in force."""
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Interrupted(Exception):
+    """A stage stopped by a signal, saying what it kept (:func:`run_job` prints it in one line with the
+    command that resumes, and exits 128 + the signal's number: 130 for SIGINT, 143 for SIGTERM)."""
+
+    def __init__(self, signum: int, kept: str) -> None:
+        super().__init__(kept)
+        self.signum, self.kept = signum, kept
+
+
+@contextlib.contextmanager
+def interrupts() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupt` in the main thread for the duration.
+
+    Ray installs its own handlers (``ray.init``: SIGTERM exits 15; Ray Train's ``fit``: SIGINT
+    aborts the run and exits 1, silently), so a stage enters this after Ray has started.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _raise(signum, frame):
+        raise Interrupt(signum)
+
+    before = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
 
 
 def print_json(result: Any) -> None:
@@ -22,7 +65,8 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
 
     Usage and config errors (including missing or malformed input paths, which the
     libraries raise as subclasses of ``InputError``) exit 2 with one line that
-    names the field or file. ``failures`` are a job's own failed checks (counts that do
+    names the field or file. A stage stopped by SIGINT or SIGTERM (:class:`Interrupted`) exits
+    128 + the signal with one line: what it kept and the command that resumes. ``failures`` are a job's own failed checks (counts that do
     not reconcile, say): one line, exit 1. Anything else is a bug and keeps its traceback.
 
     Every entrypoint also takes ``--verbose`` and ``--progress-every SECONDS``
@@ -40,6 +84,15 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     except InputError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    except Interrupted as exc:
+        command = shlex.join(["python", *(sys.argv if argv is None else [f"jobs/{prog}.py", *argv])])
+        print(f"{prog}: interrupted by {signal.Signals(exc.signum).name}; {exc.kept}; resume with: {command}",
+              file=sys.stderr)
+        return 128 + exc.signum
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"{prog}: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     except failures as exc:
         print(f"{prog}: {exc}", file=sys.stderr)
         return 1

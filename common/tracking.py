@@ -515,6 +515,14 @@ def end_run(run_id: str, *, failed: bool = False, uri: str | None = None) -> Non
     mlflow.MlflowClient(uri or tracking_uri()).set_terminated(run_id, "FAILED" if failed else "FINISHED")
 
 
+def end_active_run(status: str) -> None:
+    """End the active run with ``status`` (``KILLED`` for an interrupted stage) before its
+    ``start_run`` block ends it as FAILED."""
+    import mlflow
+
+    mlflow.end_run(status)
+
+
 def log_metrics(metrics: Mapping[str, float], step: int | None = None) -> None:
     import mlflow
 

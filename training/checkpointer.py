@@ -8,6 +8,8 @@ after a failure, or the same run submitted again, continues without replaying or
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
@@ -18,6 +20,8 @@ from common.config import ConfigError, free_on_resume
 
 TRAIN_STATE = "train_state.pt"
 STATE_FORMAT = "vitscale-pretrain/2"
+# Written beside the state: read before Ray starts (the config check, the newest complete checkpoint).
+RECORD = "checkpoint.json"
 
 
 def check_resumable(saved: dict, current: dict, free: Iterable[str]) -> None:
@@ -29,8 +33,36 @@ def check_resumable(saved: dict, current: dict, free: Iterable[str]) -> None:
         diffs = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in changed)
         raise ConfigError(
             f"run_name {current.get('run_name')!r}: cannot resume a run trained with a different config ({diffs}); "
-            "use a new --run-name or --output to start fresh"
+            "re-run with the same flags to resume it, pass --overwrite to start it again, or use another --output"
         )
+
+
+def read_record(folder: Path) -> dict | None:
+    """The record of a complete checkpoint folder; None when a file it lists is missing or of
+    another size, or the record itself is missing or torn (a write or upload cut short)."""
+    try:
+        record = json.loads((folder / RECORD).read_text())
+        files = record["files"]
+        if all((folder / name).stat().st_size == size for name, size in files.items()):
+            return record
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
+
+
+def scan_run(run_dir: Path, known: Iterable[str]) -> tuple[Path | None, dict | None, list[Path]]:
+    """The newest complete checkpoint in ``run_dir`` (a local Ray Train run folder) and its record,
+    after removing the checkpoint folders nothing will read: those that Ray Train's snapshot does
+    not list (``known``, folder names) and that are incomplete or older than the newest complete one.
+    Returns (folder or None, record or None, the folders removed)."""
+    known = set(known)
+    folders = sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir()) if run_dir.is_dir() else []
+    complete = [(rec["step"], p.name, p, rec) for p in folders if (rec := read_record(p)) is not None]
+    newest = max(complete, key=lambda c: (c[0], c[1]), default=None)
+    removed = [p for p in folders if p.name not in known and (newest is None or p != newest[2])]
+    for p in removed:
+        shutil.rmtree(p, ignore_errors=True)
+    return (newest[2], newest[3], removed) if newest else (None, None, removed)
 
 
 def gather(obj: Any) -> list:
@@ -129,6 +161,10 @@ class Checkpointer:
         import torch
 
         ckpt = ray.train.get_checkpoint()
+        # The driver's pick from disk (see scan_run) unless this fit has checkpointed since.
+        on_disk = trainer.run.get("resume_from") if isinstance(getattr(trainer, "run", None), dict) else None
+        if on_disk and (not ckpt or _step_of(ckpt) < trainer.run.get("resume_step", 0)):
+            ckpt = ray.train.Checkpoint(on_disk)
         if not ckpt:
             return
         with ckpt.as_directory() as d:
@@ -162,6 +198,16 @@ class Checkpointer:
                 torch.save({"format": STATE_FORMAT, **state, **position.state_dict(seen), "rng": rng,
                             "cfg": dataclasses.asdict(self.cfg), "world": self.world}, Path(d) / TRAIN_STATE)
                 vitcore.save_checkpoint(trainer.plain_model(state["model"]), Path(d) / MODEL_FILE)
+                files = {name: (Path(d) / name).stat().st_size for name in (TRAIN_STATE, MODEL_FILE)}
+                (Path(d) / RECORD).write_text(json.dumps({"step": trainer.step, "files": files,
+                                                          "cfg": dataclasses.asdict(self.cfg)}, default=str))
                 checkpoint = ray.train.Checkpoint.from_directory(d)
             ray.train.report({**metrics, "data_epoch": position.epoch, "data_offset": position.offset,
                               "rows_seen": seen[0], "rows_sum": seen[1], "rows_sumsq": seen[2]}, checkpoint=checkpoint)
+
+
+def _step_of(ckpt) -> int:
+    """The step of a Ray Train checkpoint from its record; -1 for one without (written before records)."""
+    with ckpt.as_directory() as d:
+        record = read_record(Path(d))
+    return record["step"] if record else -1

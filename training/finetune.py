@@ -45,6 +45,7 @@ PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 # train folder's name; anything else gets DEFAULT_DEV_FRACTION.
 PAPER_DEV_FRACTIONS = {"pets": 0.1, "flowers": 0.1, "cifar": 0.02, "imagenet": 0.01}
 DEFAULT_DEV_FRACTION = 0.1
+SUMMARY = "finetune_summary.json"
 
 
 @dataclasses.dataclass
@@ -249,11 +250,25 @@ def _publish(summary: dict, name: str, output: Path, run, label_names) -> None:
                                            title=f"{name}: accuracy per learning rate")
     tracking.log_artifact(grid_png, "plots")
     tracking.write_lineage(output, run, "finetune")
+    from vitcore.checkpoint import check_checkpoint
+
+    variant = check_checkpoint(summary["model"]).variant
     info = run_artifacts.log_vit_model(Path(summary["model"]), labels=label_names,
+                                       name=run_artifacts.model_name("finetune", variant, Path(summary["train"]).name),
                                        metadata={"vitscale.finetune_run_id": run.info.run_id})
     summary["mlflow_model_uri"] = info.model_uri
-    tracking.log_dict(summary, "finetune_summary.json")
-    atomic_write(output / "finetune_summary.json", json.dumps(summary, indent=2))
+    tracking.log_dict(summary, SUMMARY)
+    atomic_write(output / SUMMARY, json.dumps(summary, indent=2))
+
+
+def _finished(output: Path, state: dict | None) -> dict | None:
+    """The summary of the fine-tune ``output`` holds when it finished under the sweep run ``state``
+    names; a re-run returns it rather than log a second model into that run."""
+    try:
+        summary = json.loads((output / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if state and summary.get("mlflow_run_id") == state.get("mlflow_run_id") else None
 
 
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
@@ -265,6 +280,9 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
     # Where Ray runs and how many trials at once do not change the sweep's results.
     state = open_sweep_state(output, config, fresh_keys=not_recipe(cfg))
+    finished = _finished(output, state)
+    if finished:  # nothing to resume: the same run, model and summary stand
+        return finished
     make_output_dir(output)
     init_ray(cfg.ray_address)
 
@@ -287,6 +305,7 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
             "test_accuracy": result.metrics["test_accuracy"],
             "final_train_rows": result.metrics["train_rows"],
             "model": str(model_path),
+            "train": cfg.train,
             "mlflow_run_id": run.info.run_id,
         }
         _publish(summary, name, output, run, train_set.label_names)

@@ -15,9 +15,15 @@ batch. This module holds the config and the driver.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import posixpath
+import secrets
 import shutil
+import signal
+import sys
+import threading
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal
@@ -25,14 +31,18 @@ from typing import Any, Literal
 import pyarrow.fs
 
 from common import tracking
+from common.cli import Interrupted, interrupts
 from common.config import ConfigError, check
-from common.fs import atomic_open, atomic_write, make_output_dir, url_to_fs
+from common.fs import atomic_write, make_output_dir, url_to_fs
 from common.jobenv import durable_path, is_url
 from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progress_every
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
 from training import run_artifacts
 
 DEFAULT_EPOCHS = 10
+SUMMARY = "pretrain_summary.json"
+# The run that --output holds, written before Ray starts: a re-run without --run-name resumes it.
+RUN_RECORD = "pretrain_run.json"
 
 
 @dataclasses.dataclass
@@ -94,7 +104,10 @@ class PretrainConfig:
     register_as: str | None = field(default=None, metadata={"recipe": False, "help": "register the final model under this name in the MLflow model registry"})
     seed: int = field(default=0, metadata={"help": "seed for init, shuffling and augmentation"})
     ray_address: str | None = field(default=None, metadata={"recipe": False, "help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
-    run_name: str | None = field(default=None, metadata={"recipe": False, "help": "Ray Train run name (same name resumes)"})
+    run_name: str | None = field(default=None, metadata={"recipe": False, "help": "Ray Train run name; default: the run "
+                                                                                "already in --output (which resumes), else a new one"})
+    overwrite: bool = field(default=False, metadata={"recipe": False, "help": "start again over the run in --output "
+                                                                            "(its checkpoints and outputs go) instead of resuming it"})
     parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
     resources_per_worker: dict[str, float] | None = field(default=None, metadata={"recipe": False, "help": "extra Ray resources per worker as JSON, e.g. '{\"node_slot\": 1}' to place one worker per node"})
 
@@ -268,29 +281,34 @@ def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) ->
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
     trained and the worker-group restarts."""
-    from training.ray_utils import check_resume_snapshot, init_ray
+    from training.ray_utils import init_ray
 
     cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
     storage = _storage(cfg, Path(cfg.output))
-    check_resume_snapshot(storage[0], cfg.run_name, storage[1])
-    output = make_output_dir(Path(cfg.output))
+    cfg, resume, output = _claim(cfg, storage)
+    _warn_one_class(cfg, shards)
     init_ray(cfg.ray_address)
     datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}
     data_record = shard_set_record(cfg.data, role="training")
     records = [data_record] + ([shard_set_record(cfg.fewshot_data, role="evaluation")] if cfg.fewshot_data else [])
     name = f"pretrain {cfg.variant.replace('/', '')} on {data_record['name']}"
     with tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
-                            run_name=name + (f" ({cfg.run_name})" if cfg.run_name else ""),
+                            run_name=f"{name} ({cfg.run_name})",
                             tags=tracking.run_tags(cfg, data=records, main=[data_record]),
                             log_system_metrics=True) as run:
         tracking.log_shard_inputs(records)
         tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),
                               "planned_steps": total_steps, "steps_per_epoch": steps_per_epoch,
                               "accumulation": cfg.accumulation})
-        result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage)
+        try:
+            with interrupts():
+                result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage, resume)
+        except KeyboardInterrupt as exc:
+            tracking.end_active_run("KILLED")
+            raise Interrupted(getattr(exc, "signum", signal.SIGINT), _kept(cfg, storage, total_steps)) from None
         summary = _summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts)
         _publish(cfg, run, summary, shards, output, name)
-        atomic_write(output / "pretrain_summary.json", json.dumps(summary, indent=2))
+        atomic_write(output / SUMMARY, json.dumps(summary, indent=2))
     return summary
 
 
@@ -315,15 +333,113 @@ def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, 
     return dataclasses.replace(cfg, output=str(output)), shards, uri, plan
 
 
-def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tuple[str, Any]) -> tuple[Any, int]:
+def _claim(cfg: PretrainConfig, storage: tuple[str, Any]) -> tuple[PretrainConfig, dict, Path]:
+    """Before Ray starts: the run ``output`` holds (or a new one), where it resumes from, checked
+    against this config, and the output folder with the run's record in it."""
+    from training.ray_utils import check_resume_snapshot
+
+    output = make_output_dir(Path(cfg.output))
+    cfg = _claim_output(cfg, storage)
+    known = check_resume_snapshot(storage[0], cfg.run_name, storage[1])
+    resume = _resume_point(cfg, storage, known)
+    atomic_write(output / RUN_RECORD, json.dumps({"run_name": cfg.run_name, "config": dataclasses.asdict(cfg)},
+                                                 indent=2, default=str))
+    return cfg, resume, output
+
+
+def _claim_output(cfg: PretrainConfig, storage: tuple[str, Any]) -> PretrainConfig:
+    """The config with the run name to use: the run recorded in ``output`` (:data:`RUN_RECORD`),
+    which resumes, or a new one. Refused in one line: another --run-name, or a different recipe,
+    over a recorded run, unless ``overwrite``, which removes that run's checkpoints and outputs."""
+    from common.config import free_on_resume
+    from training.checkpointer import check_resumable
+
+    output = Path(cfg.output)
+    try:
+        record = json.loads((output / RUN_RECORD).read_text())
+        recorded, saved = str(record["run_name"]), dict(record["config"])
+    except FileNotFoundError:
+        record = None
+    except (OSError, ValueError, KeyError, TypeError):
+        raise ConfigError(f"output: {output / RUN_RECORD} is damaged; pass --overwrite to start the run in {output} "
+                          "again, or use another --output") from None
+    if record is not None and cfg.overwrite:
+        _remove_run(output, recorded, storage)
+        record = None
+    if record is None:
+        return dataclasses.replace(cfg, run_name=cfg.run_name or f"pretrain-{secrets.token_hex(4)}")
+    if cfg.run_name and cfg.run_name != recorded:
+        raise ConfigError(f"run_name: {output} holds run {recorded!r}, not {cfg.run_name!r}; leave out --run-name "
+                          "to resume it, pass --overwrite to replace it, or use another --output")
+    cfg = dataclasses.replace(cfg, run_name=recorded)
+    check_resumable(saved, dataclasses.asdict(cfg), free_on_resume(cfg))
+    return cfg
+
+
+def _remove_run(output: Path, run_name: str, storage: tuple[str, Any]) -> None:
+    """A run's outputs in ``output``, and its Ray Train folder when that is on a local disk."""
+    from vitcore.checkpoint import MODEL_FILE
+
+    storage_path, storage_fs = storage
+    if storage_fs is None:
+        shutil.rmtree(Path(storage_path) / run_name, ignore_errors=True)
+    for name in (MODEL_FILE, SUMMARY, tracking.LINEAGE_FILE, RUN_RECORD):
+        (output / name).unlink(missing_ok=True)
+    for folder in ("inspection", Path(run_artifacts.PRETRAIN_CURVES).parent):
+        shutil.rmtree(output / folder, ignore_errors=True)
+
+
+def _resume_point(cfg: PretrainConfig, storage: tuple[str, Any], known: list[str]) -> dict:
+    """Where the run continues from, for the workers (:meth:`training.checkpointer.Checkpointer.load`):
+    the newest complete checkpoint on a local disk, checked against this config before Ray starts.
+    Checkpoint folders no one will read are removed (:func:`training.checkpointer.scan_run`)."""
+    from common.config import free_on_resume
+    from training.checkpointer import check_resumable, scan_run
+
+    storage_path, storage_fs = storage
+    if storage_fs is not None:  # on remote storage the workers take Ray Train's record
+        return {}
+    folder, record, _ = scan_run(Path(storage_path) / cfg.run_name, known)
+    if folder is None:
+        return {}
+    check_resumable(record["cfg"], dataclasses.asdict(cfg), free_on_resume(cfg))
+    return {"resume_from": str(folder), "resume_step": int(record["step"])}
+
+
+def _kept(cfg: PretrainConfig, storage: tuple[str, Any], total_steps: int) -> str:
+    """What an interrupted run leaves to resume from, in words."""
+    from training.checkpointer import read_record
+
+    storage_path, storage_fs = storage
+    run_dir = posixpath.join(storage_path, cfg.run_name)
+    if storage_fs is not None:
+        return f"run {cfg.run_name!r} keeps the checkpoints Ray Train recorded in {run_dir}"
+    complete = [(rec["step"], p) for p in Path(run_dir).glob("checkpoint_*") if (rec := read_record(p))]
+    if not complete:
+        return f"run {cfg.run_name!r} had saved no checkpoint yet, so it starts from step 0 again"
+    step, folder = max(complete)
+    return f"run {cfg.run_name!r} kept its checkpoint at step {step} of {total_steps} ({folder})"
+
+
+def _warn_one_class(cfg: PretrainConfig, shards: Any) -> None:
+    if cfg.objective == "classification" and len(shards.label_map) < 2:
+        labels = ", ".join(map(str, shards.label_names)) or "none"
+        print(f"pretrain: warning: data: {cfg.data} has {len(shards.label_map)} classes ({labels}); a classifier "
+              "learns nothing from it. Prepare a corpus with several class folders, or use --objective mpp",
+              file=sys.stderr)
+
+
+def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tuple[str, Any],
+         resume: dict) -> tuple[Any, int]:
     """Ray Train's fit of :func:`train_loop_per_worker`, with the driver's progress lines; returns
     its result and the worker-group restarts."""
     import ray
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from training.checkpointer import scan_run
     from training.loopback_torch import LoopbackTorchConfig
-    from training.ray_utils import ProgressBoard
+    from training.ray_utils import ProgressBoard, check_resume_snapshot
 
     starts = ray.remote(num_cpus=0)(_StartCounter).remote()
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
@@ -332,13 +448,13 @@ def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tu
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": dataclasses.asdict(cfg), "mlflow_run_id": run_id, "mlflow_uri": uri,
-                           "starts": starts, "progress": board},
+                           "starts": starts, "progress": board, **resume},
         datasets=datasets,
         torch_config=LoopbackTorchConfig(),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
                                      resources_per_worker=resources),
         run_config=RunConfig(
-            name=cfg.run_name or f"pretrain-{run_id[:8]}",
+            name=cfg.run_name,
             storage_path=storage_path,
             storage_filesystem=storage_fs,
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.keep_checkpoints),
@@ -351,28 +467,49 @@ def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tu
         # between two polls (only the newest step of each poll gets a line).
         every = progress_every()
         with Ticker(shown.tick, max(0.05, min(TTY_EVERY, every) if every > 0 else TTY_EVERY)):
-            result = trainer.fit()
+            result = _in_thread(trainer.fit)
     except Exception as exc:
         raise _config_error_from_workers(exc) or exc
     finally:
         shown.finish()
-        ray.kill(board)
+        with contextlib.suppress(Exception):  # Ray may be gone (an interrupt)
+            ray.kill(board)
     if result.error:
         raise _config_error_from_workers(result.error) or result.error
+    if storage_fs is None:  # the checkpoint folders the finished fit's snapshot no longer lists
+        scan_run(Path(storage_path) / cfg.run_name, check_resume_snapshot(storage_path, cfg.run_name))
     restarts = max(0, ray.get(starts.count.remote()) - 1)
     ray.kill(starts)
     return result, restarts
 
 
+def _in_thread(fit: Any) -> Any:
+    """``fit()`` in a daemon thread while the main thread waits, so that SIGINT and SIGTERM reach
+    :func:`common.cli.interrupts` (in the main thread, Ray Train's fit takes SIGINT itself, and
+    ends the process with exit 1 and no word)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fit()
+        except BaseException as exc:  # handed to the main thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name="pretrain-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id: str, total_steps: int,
              restarts: int) -> dict[str, Any]:
     """The final checkpoint's model copied beside the summary, and the summary."""
-    from vitcore.checkpoint import MODEL_FILE
+    from training.sweep import copy_final_model
 
-    model_path = output / MODEL_FILE
-    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
-            atomic_open(model_path) as dst:
-        shutil.copyfileobj(src, dst)
+    model_path = copy_final_model(result, output)
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
     steps = int(metrics.get("step", 0))
     return {"metrics": metrics, "model": str(model_path), "mlflow_run_id": run_id,
@@ -405,7 +542,8 @@ def _publish(cfg: PretrainConfig, run: Any, summary: dict, shards: Any, output: 
         tracking.log_artifact(curves, "plots")
     # Beside the model, for the stages that read it: this run and its lineage.
     tracking.write_lineage(output, run, "pretrain")
-    info = run_artifacts.log_vit_model(model_path, labels=shards.label_names,
+    info = run_artifacts.log_vit_model(model_path, name=run_artifacts.model_name("pretrain", cfg.variant, Path(cfg.data).name),
+                                       labels=shards.label_names,
                                        metadata={"vitscale.pretrain_run_id": run_id, "vitscale.objective": cfg.objective})
     summary["mlflow_model_uri"] = info.model_uri
     if cfg.register_as:

@@ -123,7 +123,7 @@ def _inside_run_dir(name) -> bool:
     return ".." not in parts and all(p not in ("", ".") for p in parts)
 
 
-def check_resume_snapshot(storage_path: str, run_name: str | None, storage_filesystem=None) -> None:
+def check_resume_snapshot(storage_path: str, run_name: str | None, storage_filesystem=None) -> list[str]:
     """Refuse to resume from a Ray Train snapshot that names a checkpoint folder outside its run.
 
     Ray Train joins each ``checkpoint_dir_name`` of ``STORAGE/RUN/checkpoint_manager_snapshot.json``
@@ -131,10 +131,10 @@ def check_resume_snapshot(storage_path: str, run_name: str | None, storage_files
     crafted snapshot with ``/home/me`` or ``../../data`` in it made a resume delete that folder.
     Every name must be a relative path without ``..``. No run name, or no snapshot: nothing to
     check. ``storage_filesystem`` is the ``pyarrow.fs`` filesystem given to Ray Train, if any.
-    Raises ConfigError naming the snapshot and the folder.
+    Raises ConfigError naming the snapshot and the folder; returns the folder names it lists.
     """
     if not run_name:
-        return
+        return []
     run_dir = posixpath.join(str(storage_path).rstrip("/"), run_name)
     path = posixpath.join(run_dir, SNAPSHOT)
     try:
@@ -143,11 +143,11 @@ def check_resume_snapshot(storage_path: str, run_name: str | None, storage_files
                 text = f.read()
         else:
             if storage_filesystem.get_file_info(path).type == pyarrow.fs.FileType.NotFound:
-                return
+                return []
             with storage_filesystem.open_input_stream(path) as f:
                 text = f.read()
     except FileNotFoundError:
-        return
+        return []
     try:
         state = json.loads(text)
         names = _snapshot_dir_names(state)
@@ -160,3 +160,4 @@ def check_resume_snapshot(storage_path: str, run_name: str | None, storage_files
             f"run_name {run_name!r}: {path} names checkpoint folder {bad[0]!r}, outside the run's folder {run_dir}; "
             "a resume would read it and could delete it. Delete the snapshot (or the run folder) if you did not "
             "write it, or choose another --run-name")
+    return names

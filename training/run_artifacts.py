@@ -7,6 +7,7 @@ run page shows, drawn by :mod:`common.plots` as the report draws them.
 from __future__ import annotations
 
 import importlib.metadata
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,19 @@ def _requirements() -> list[str]:
     return out
 
 
-def log_vit_model(weights: str | Path, *, labels: list[str] | None = None, metadata: dict[str, Any] | None = None):
+def model_name(stage: str, variant: str, data: str) -> str:
+    """The name a stage's model is logged under, e.g. ``pretrain-Ti16-imagenet21k``: MLflow's model
+    list then says what each one is. Characters MLflow refuses in a name become ``-``."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{stage}-{variant.replace('/', '')}-{data}").strip("-")
+
+
+def log_vit_model(weights: str | Path, *, name: str, labels: list[str] | None = None,
+                  metadata: dict[str, Any] | None = None):
     """Log ``weights`` (a vitcore safetensors checkpoint) as the active run's MLflow pyfunc model
-    ``model``; vitcore goes with it as code, so the model loads without this project. Returns
-    MLflow's ModelInfo (``model_uri`` for ``mlflow.pyfunc.load_model``)."""
+    ``name`` (:func:`model_name`); vitcore goes with it as code, so the model loads without this
+    project. Returns MLflow's ModelInfo (``model_uri`` for ``mlflow.pyfunc.load_model``)."""
     return tracking.log_model_from_code(
-        MODEL_CODE, weights=weights, code_paths=[str(VITCORE)], pip_requirements=_requirements(),
+        MODEL_CODE, weights=weights, name=name, code_paths=[str(VITCORE)], pip_requirements=_requirements(),
         metadata={"labels": list(labels or []), **(metadata or {})},
     )
 

@@ -29,14 +29,24 @@ def check_batching(batch_size: int, microbatch: int) -> None:
 
 def pretrained_file(value: str) -> Path:
     """The pre-trained model a ``--pretrained`` names: the file, or ``MODEL_FILE`` in the folder."""
-    from vitcore.checkpoint import MODEL_FILE
+    from vitcore.checkpoint import MODEL_FILE, CheckpointMismatch, check_checkpoint
 
     path = Path(value).expanduser().resolve()
     if path.is_dir():
         path = path / MODEL_FILE
     if not path.is_file():
         raise ConfigError(f"pretrained: {path} does not exist; pass the {MODEL_FILE} that jobs/pretrain.py wrote")
+    # From the header, before Ray starts: a bad file would otherwise fail every trial, retries included.
+    try:
+        check_checkpoint(path)
+    except (CheckpointMismatch, FileNotFoundError) as exc:
+        raise ConfigError(f"pretrained: {_one_line(exc)} (expected the {MODEL_FILE} that jobs/pretrain.py or "
+                          "vitcore.save_checkpoint writes)") from None
     return path
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def load_backbone(pretrained: str | None, variant: str, img_size: int | None, num_classes: int):

@@ -1,7 +1,8 @@
 """Ray Tune sweeps that resume, and their state, shared by fine-tuning and VTAB.
 
 A sweep lives under ``OUTPUT/ray/<name>``; running the same command again after an interruption
-restores it (finished trials are kept, unfinished and errored ones run again). Its MLflow run is
+restores it (finished trials are kept, unfinished and errored ones run again); so does one stopped
+by SIGINT or SIGTERM, which ends in one line (:class:`common.cli.Interrupted`). Its MLflow run is
 named in ``OUTPUT/sweep_state.json`` with the configuration it ran, so the re-run reopens the same
 MLflow run, and a re-run with different flags is refused rather than mixing two sweeps' trials.
 """
@@ -11,11 +12,13 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping
 
 from common import progress, tracking
+from common.cli import Interrupted, interrupts
 from common.config import ConfigError
 from common.fs import atomic_open, atomic_write
 
@@ -58,7 +61,10 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
         )
     # Tune's current output engine prints its experiment box and a TensorBoard hint to stdout
     # even at verbose=0; the older one, which Tune reads this variable for, honours verbose=0.
-    with _env("RAY_AIR_NEW_OUTPUT", None if progress.verbose() else "0"):
+    # Tune's own SIGINT handler stops the sweep and returns half a result grid, then prints a
+    # Tuner.restore hint; Ctrl-C ends the stage instead (sweep_run says what was kept).
+    with _env("RAY_AIR_NEW_OUTPUT", None if progress.verbose() else "0"), \
+            _env("TUNE_DISABLE_SIGINT_HANDLER", "1"), interrupts():
         return tuner.fit()
 
 
@@ -91,7 +97,8 @@ def report_final(metrics: dict, model) -> None:
 
 
 def copy_final_model(result, output: Path) -> Path:
-    """Copy the model a trial reported (:func:`report_final`) into ``output``; returns its path there."""
+    """Copy the model a trial (:func:`report_final`) or a pre-training fit reported with its last
+    checkpoint into ``output``; returns its path there."""
     from vitcore.checkpoint import MODEL_FILE
 
     with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
@@ -155,4 +162,9 @@ def sweep_run(stage: str, output: Path, config: Mapping[str, Any], state: dict |
         else:
             tracking.log_shard_inputs(records)
         save_sweep_state(output, config, run.info.run_id)
-        yield run
+        try:
+            yield run
+        except KeyboardInterrupt as exc:
+            tracking.end_active_run("KILLED")
+            raise Interrupted(getattr(exc, "signum", signal.SIGINT),
+                              f"the trials that finished are kept in {output / 'ray'}") from None

@@ -80,6 +80,17 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ViTConfig, dict[str, torch
     The tensors must be exactly those of the model the config describes (names and
     shapes); this is checked from the file's header before any tensor is read.
     """
+    return _open_checked(path, read_tensors=True)
+
+
+def check_checkpoint(path: str | os.PathLike) -> ViTConfig:
+    """The config of the checkpoint at ``path``, checked as :func:`read_checkpoint` checks it but
+    from the header alone: no tensor is read, so a stage can vet its input before it starts work.
+    Raises FileNotFoundError or CheckpointMismatch."""
+    return _open_checked(path, read_tensors=False)[0]
+
+
+def _open_checked(path: str | os.PathLike, *, read_tensors: bool):
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such checkpoint; write one with vitcore.save_checkpoint")
@@ -95,7 +106,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ViTConfig, dict[str, torch
                 raise CheckpointMismatch(f"{path}: its vitcore config cannot be read ({e}); re-save it with "
                                  "vitcore.save_checkpoint") from None
             _check_tensors_match_config(path, config, {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
-            sd = {k: f.get_tensor(k) for k in f.keys()}
+            sd = {k: f.get_tensor(k) for k in f.keys()} if read_tensors else {}
     except CheckpointMismatch:
         raise
     except (SafetensorError, OSError, ValueError) as e:

@@ -1,9 +1,12 @@
 """common.cli.run_job and common.config.parse_args: what every entrypoint prints and returns."""
 import dataclasses
+import os
+import signal
+import time
 
 import pytest
 
-from common.cli import run_job
+from common.cli import Interrupted, interrupts, run_job
 from common.config import InputError, check
 
 
@@ -61,3 +64,19 @@ def test_usage_errors_are_one_line_with_a_pointer_to_help(argv, message, capsys)
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err and "run job --help for every option" in err
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_inside_interrupts_is_one_line_with_what_was_kept_and_the_resume_command(signum, code, capsys):
+    def runner(cfg):
+        try:
+            with interrupts():
+                os.kill(os.getpid(), signum)
+                time.sleep(5)  # the handler raises before this ends
+        except KeyboardInterrupt as exc:
+            raise Interrupted(exc.signum, "kept step 4") from None
+
+    assert run_job(Cfg, runner, ["--name", "a b"], prog="job") == code
+    assert capsys.readouterr().err == (f"job: interrupted by {signal.Signals(signum).name}; kept step 4; "
+                                       "resume with: python jobs/job.py --name 'a b'\n")
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are put back

@@ -143,3 +143,48 @@ def test_an_image_folder_given_as_shards_gets_a_prepare_command_that_works(tmp_p
     extra = ["--test", str(folder)] if job == "finetune" else []
     out = run_job(job, flag, str(folder), *extra)
     assert_one_line_exit_2(out, job, f"--input {folder} --output {folder}-shards")
+
+
+@pytest.fixture(scope="module")
+def not_checkpoints(tmp_path_factory):
+    """Files a user might pass as --pretrained that are not vitcore checkpoints."""
+    import torch
+
+    root = tmp_path_factory.mktemp("not_checkpoints")
+    (root / "config.json").write_text('{"variant": "Ti/16"}')
+    torch.save({"weight": torch.zeros(4, 4)}, root / "model.pt")
+    (root / "renamed.safetensors").write_bytes((root / "model.pt").read_bytes())
+    return root
+
+
+@pytest.mark.parametrize("job", ["finetune", "vtab", "fewshot"])
+@pytest.mark.parametrize("file", ["config.json", "model.pt", "renamed.safetensors"])
+def test_a_pretrained_file_that_is_not_a_checkpoint_is_refused_before_ray(job, file, not_checkpoints, tiny_shards,
+                                                                          tmp_path):
+    # It used to fail inside every Ray Tune trial, retries included: 24 s, exit 1, 172 lines.
+    path = not_checkpoints / file
+    data = {"finetune": ["--train", str(tiny_shards), "--test", str(tiny_shards)],
+            "vtab": ["--task", f"dtd={tmp_path}"], "fewshot": ["--task", f"dtd={tmp_path}"]}[job]
+    out = run_job(job, "--pretrained", str(path), *data, "--output", str(tmp_path / "out"))
+    assert_one_line_exit_2(out, job, f"pretrained: {path}: not a readable safetensors checkpoint")
+    assert "model.safetensors that jobs/pretrain.py" in error_lines(out, job)[0]
+    assert "Ray" not in out.stderr and not (tmp_path / "out").exists()
+
+
+def test_pretraining_a_classifier_on_one_class_warns_in_one_line_and_trains(tmp_path, mlflow_store):
+    from common.photos import photo
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    (tmp_path / "src" / "cat").mkdir(parents=True)
+    img = photo("chelsea.png")
+    for i in range(8):
+        img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(tmp_path / "src" / "cat" / f"{i}.png")
+    run_prepare(PrepareConfig(input=[str(tmp_path / "src")], output=str(tmp_path / "shards"), size=32, workers=1))
+    out = run_job("pretrain", "--data", str(tmp_path / "shards"), "--output", str(tmp_path / "out"), "--variant",
+                  "Ti/8", "--depth", "1", "--img-size", "32", "--batch-size", "4", "--num-workers", "1", "--steps", "1",
+                  "--holdout", "0", timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    warnings = [line for line in error_lines(out, "pretrain") if "warning" in line]
+    assert warnings == [f"pretrain: warning: data: {tmp_path / 'shards'} has 1 classes (cat); a classifier learns "
+                        "nothing from it. Prepare a corpus with several class folders, or use --objective mpp"]

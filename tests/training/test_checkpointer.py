@@ -33,3 +33,28 @@ def test_a_finished_epoch_is_saved_as_the_start_of_the_next():
     pos.advance(np.array([1.0, 2.0]))
     assert pos.epoch_done
     assert pos.state_dict([4.0, 11.0, 39.0]) == {"epoch": 1, "offset": 0, "rows_seen": [0.0, 0.0, 0.0]}
+
+
+def test_the_newest_complete_checkpoint_is_found_and_folders_no_one_reads_are_removed(tmp_path):
+    import json
+
+    from training.checkpointer import RECORD, scan_run
+
+    def folder(name, step, *, torn=False, record=True):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "train_state.pt").write_bytes(b"x" * (5 if torn else 10))
+        if record:
+            (d / RECORD).write_text(json.dumps({"step": step, "files": {"train_state.pt": 10}, "cfg": {}}))
+        return d
+
+    folder("checkpoint_1", 5)  # in Ray's snapshot: Ray evicts it, not us
+    folder("checkpoint_2", 10)  # complete, but older than the newest and unknown to Ray: an orphan
+    newest = folder("checkpoint_3", 15)
+    folder("checkpoint_4", 20, torn=True)  # cut short: its state is not the size its record says
+    folder("checkpoint_5", 25, record=False)  # its record never arrived
+    found, record, removed = scan_run(tmp_path, known=["checkpoint_1"])
+    assert found == newest and record["step"] == 15
+    assert sorted(p.name for p in removed) == ["checkpoint_2", "checkpoint_4", "checkpoint_5"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1", "checkpoint_3"]
+    assert scan_run(tmp_path / "no_run", known=[]) == (None, None, [])
