@@ -33,17 +33,20 @@ class Interrupted(Exception):
 
 
 @contextlib.contextmanager
-def interrupts() -> Iterator[None]:
+def interrupts(before_raise: Callable[[int], None] | None = None) -> Iterator[None]:
     """SIGINT and SIGTERM raise :class:`Interrupt` in the main thread for the duration.
 
     Ray installs its own handlers (``ray.init``: SIGTERM exits 15; Ray Train's ``fit``: SIGINT
     aborts the run and exits 1, silently), so a stage enters this after Ray has started.
+    ``before_raise(signum)`` runs first: what the unwinding would otherwise wait on can be stopped there.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def _raise(signum, frame):
+        if before_raise is not None:
+            before_raise(signum)
         raise Interrupt(signum)
 
     before = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}

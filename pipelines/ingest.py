@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import re
+import signal
 import time
 import traceback
 import uuid
@@ -56,6 +57,7 @@ import pyarrow.ipc as ipc
 
 from common import config as vconfig
 from common import tracking
+from common.cli import Interrupted, interrupts
 from common.config import InputError
 from common.fs import atomic_open, atomic_write
 from common.fs import url_to_fs as _fs
@@ -349,6 +351,7 @@ def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, par
             # Local worker processes: serve them on loopback only, and keep their
             # start-up chatter off the terminal (a user's own flags come later and win).
             local_runner.bind_servers_to_loopback()
+            local_runner.workers_in_own_session()
             flags += local_runner.QUIET_WORKER_FLAGS
     return PipelineOptions(flags + list(cfg.beam_options))
 
@@ -631,11 +634,17 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             watch = IngestProgress(line, worker_counts.Totals(channel).poll if channel else None, len(units),
                                    worker_counts.known_inputs(units))
             try:
-                with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0):
+                with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0), \
+                        interrupts(local_runner.stop_sdk_workers):
                     with beam.Pipeline(options=options) as p:
                         build_pipeline(p, units, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
                                        fs.unstrip_protocol(staging), channel)
                 watch.finish()
+            except KeyboardInterrupt as exc:
+                tracking.end_active_run("KILLED")
+                kept = (f"{cfg.output} keeps the shard set it held before" if folder.old_manifest() is not None
+                        else f"no shard set was written to {cfg.output}") + " (the ingest starts over when re-run)"
+                raise Interrupted(getattr(exc, "signum", signal.SIGINT), kept) from None
             finally:
                 worker_counts.close(channel)  # the in-process runner's counts file is this process's
             outputs = _read_staging(fs, staging)

@@ -94,3 +94,58 @@ def bind_servers_to_loopback() -> None:
         for module in (worker_handlers, local_job_service, worker_pool_main, abstract_job_service):
             if not isinstance(module.grpc, _LoopbackGrpc):
                 module.grpc = _LoopbackGrpc(module.grpc)
+
+
+class _SessionSubprocess:
+    """Stands in for ``subprocess`` inside ``local_job_service``: each SDK worker starts in its own session."""
+
+    def Popen(self, *args, **kwargs):
+        import subprocess
+
+        kwargs.setdefault("start_new_session", True)
+        return subprocess.Popen(*args, **kwargs)
+
+    def __getattr__(self, name):
+        import subprocess
+
+        return getattr(subprocess, name)
+
+
+def workers_in_own_session() -> None:
+    """Start the DirectRunner's SDK workers outside the terminal's process group (idempotent).
+
+    A terminal's Ctrl-C reaches the whole group: each worker printed its own
+    KeyboardInterrupt and gRPC tracebacks (120-178 lines in all) over the driver's
+    one line. Outside the group only the driver gets the signal, and
+    :func:`stop_sdk_workers` ends the workers; a driver killed outright still
+    takes them with it, as their control stream closes.
+    """
+    from apache_beam.runners.portability import local_job_service
+
+    with _lock:
+        if not isinstance(local_job_service.subprocess, _SessionSubprocess):
+            local_job_service.subprocess = _SessionSubprocess()
+
+
+def stop_sdk_workers(signum: int | None = None) -> None:
+    """End an interrupted run's DirectRunner work quietly: kill this process's SDK workers, mute the rest.
+
+    Beam's teardown joins a thread that waits on each worker process, and a worker
+    exits only when its control stream closes, which that teardown has not reached:
+    a SIGINT or SIGTERM sent to the driver alone left ``prepare`` waiting forever.
+    The teardown's threads then log the broken streams; the process is ending with
+    its one line (``common.cli.run_job``), so their logs and thread tracebacks are
+    dropped from here on.
+    """
+    import logging
+
+    import psutil
+
+    logging.disable(logging.CRITICAL)
+    threading.excepthook = lambda args: None
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any("sdk_worker_main" in part for part in child.cmdline()):
+                child.kill()
+        except psutil.Error:
+            pass

@@ -217,3 +217,32 @@ def test_a_set_of_other_inputs_is_replaced_only_with_overwrite_and_whole(tmp_pat
     assert not any((out / name).exists() for name in ("removed.jsonl", "dedup_state.json", "dedup_index",
                                                       "dedup_report"))
     assert sorted(p.name for p in out.glob("shard-*.arrow")) == [s["path"] for s in replaced["shards"]]
+
+
+@pytest.mark.parametrize("sig,whole_group", [(signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGTERM to the driver alone", "Ctrl-C to the process group"])
+def test_a_signal_during_a_multi_worker_ingest_ends_it_in_one_line(tmp_path, photos, noisy_copies, sig, whole_group):
+    # A SIGTERM to the driver alone used to hang it for good (Beam's teardown waited on workers that never
+    # heard of it); a Ctrl-C reached every worker, which printed 120-178 lines of gRPC tracebacks.
+    import psutil
+
+    src = noisy_copies(tmp_path / "src", photos, 300, classes=3, class_prefix="c", spread=30, seed=3, size=(96, 96))
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, JOB, "--input", str(src), "--output", str(out), "--size", "64",
+                             "--workers", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    workers = []
+    while proc.poll() is None and time.monotonic() < deadline and len(workers) < 2:
+        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if any("sdk_worker_main" in part for part in p.cmdline())]
+        time.sleep(0.05)
+    assert proc.poll() is None, "the ingest ended before its workers were seen"
+    os.killpg(proc.pid, sig) if whole_group else os.kill(proc.pid, sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    lines = [x for x in err.splitlines() if not x.startswith("prepare: starting")]
+    assert len(lines) == 1, err[-3000:]
+    assert lines[0].startswith(f"prepare: interrupted by {signal.Signals(sig).name}; no shard set was written to ")
+    assert "resume with: python " in lines[0]
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
