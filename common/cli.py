@@ -83,7 +83,8 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     if argv is None:  # a process's own command line; a caller passing argv (a test) keeps its stderr
         progress.quiet_console()
     try:
-        result = runner(cfg)
+        with interrupts():  # a SIGTERM too ends in one line; a stage that knows what it kept says so
+            result = runner(cfg)
     except InputError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2

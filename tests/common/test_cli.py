@@ -80,3 +80,14 @@ def test_a_signal_inside_interrupts_is_one_line_with_what_was_kept_and_the_resum
     assert capsys.readouterr().err == (f"job: interrupted by {signal.Signals(signum).name}; kept step 4; "
                                        "resume with: python jobs/job.py --name 'a b'\n")
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are put back
+
+
+def test_a_sigterm_to_a_stage_with_no_handler_of_its_own_is_one_line(capsys):
+    # It used to end the process at once, silently, with no finally block run.
+    def runner(cfg):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    assert run_job(Cfg, runner, ["--name", "a"], prog="job") == 143
+    assert capsys.readouterr().err == "job: interrupted by SIGTERM\n"
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
