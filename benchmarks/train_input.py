@@ -264,15 +264,16 @@ def handoff_us(dataset, order: list[int], batch: int, collate=None, release: boo
     return (cpu(1) - cpu(0)) / len(order) * 1e6
 
 
-def handoff(shards: str, img_size: int, batch: int, repeats: int) -> dict:
+def handoff(shards: str, img_size: int, batch: int, repeats: int, passes: int) -> dict:
     """The crop split's hand-off from one DataLoader process, CPU microseconds per image: fresh shared
     memory per batch (``ring=0``, the baseline) against the canvas ring with ``release_canvases``;
-    medians of ``repeats`` interleaved rounds, each round its own pair of loaders."""
+    medians of ``repeats`` interleaved rounds, each its own pair of loaders over ``passes`` passes of
+    the rows (a process's start and its ring's first touch are paid once per epoch, not per batch)."""
     from pipelines.schema import ShardSet
     from training.data import ShardCropDataset, collate_crops
 
     ss = ShardSet(shards)
-    order = np.random.default_rng(0).permutation(len(ss))[: len(ss) // batch * batch].tolist()
+    order = np.random.default_rng(0).permutation(len(ss))[: len(ss) // batch * batch].tolist() * passes
     canvas = ShardCropDataset(ss, img_size).canvas
     rounds = {"fresh_shared_memory": [], "canvas_ring": []}
     for _ in range(repeats):
@@ -281,6 +282,7 @@ def handoff(shards: str, img_size: int, batch: int, repeats: int) -> dict:
         rounds["canvas_ring"].append(handoff_us(ShardCropDataset(ss, img_size, canvas=canvas),
                                                 order, batch, collate_crops, release=True))
     out = {f"handoff_us_{k}": round(float(np.median(v)), 1) for k, v in rounds.items()}
+    out["handoff_images"] = len(order)
     out["handoff_us_rounds"] = {k: [round(x, 1) for x in v] for k, v in rounds.items()}
     return out
 
@@ -423,6 +425,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--profile", action="store_true", help="also print the per-stage table")
     ap.add_argument("--handoff", action="store_true",
                     help="also measure the DataLoader hand-off, fresh shared memory against the canvas ring")
+    ap.add_argument("--handoff-passes", type=int, default=4, help="passes over the rows per --handoff round")
     ap.add_argument("--raw", action="store_true", help="also store the shards raw (prepare --store raw) and measure")
     ap.add_argument("--loaders", action="store_true", help="also run the end-to-end loader and input-wait comparison")
     ap.add_argument("--model", default="Ti/16", help="vitcore variant trained for the input-wait figures")
@@ -450,7 +453,7 @@ def main(argv=None) -> dict:
         if args.profile:
             result["profile"] = profile(shards, args.img_size, args.batch)
         if args.handoff:
-            result.update(handoff(shards, args.img_size, args.batch, max(args.repeats, 5)))
+            result.update(handoff(shards, args.img_size, args.batch, max(args.repeats, 5), args.handoff_passes))
         if args.raw:
             raw, _ = make_shards(root, 0, 0, args.size, store="raw", source=shards)
             figures = per_core(raw, args.img_size, args.batch, args.repeats)
