@@ -243,25 +243,29 @@ class _Stages:
         self.t = now
 
 
-def handoff_us(dataset, order: list[int], batch: int, collate=None, release: bool = False) -> float:
+def handoff_us(dataset, order: list[int], batch: int, collate=None, release: bool = False,
+               trainer_share: bool = False) -> float | tuple[float, float]:
     """CPU microseconds per image that one DataLoader process adds: worker plus trainer process,
     minus the same rows in process (resource usage of this process and its reaped children).
-    ``release``: the trainer hands each crop batch's canvas back (``training.data.release_canvases``)."""
+    ``release``: the trainer hands each crop batch's canvas back (``training.data.release_canvases``).
+    ``trainer_share``: also the trainer process's own microseconds per image (receiving the batches)."""
     import resource
 
     from training.data import release_canvases
 
-    def cpu(workers: int) -> float:
+    def cpu(workers: int) -> list[float]:
         kw = {"collate_fn": collate} if collate else {}
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=order, num_workers=workers, **kw)
         before = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
         _drain(release_canvases(loader) if release else loader)
         del loader
         after = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-        return sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before))
+        return [a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before)]
 
     cpu(0)
-    return (cpu(1) - cpu(0)) / len(order) * 1e6
+    in_process, worker = sum(cpu(0)), cpu(1)
+    total = (sum(worker) - in_process) / len(order) * 1e6
+    return (total, worker[0] / len(order) * 1e6) if trainer_share else total
 
 
 def handoff(shards: str, img_size: int, batch: int, repeats: int, passes: int) -> dict:
@@ -270,18 +274,22 @@ def handoff(shards: str, img_size: int, batch: int, repeats: int, passes: int) -
     medians of ``repeats`` interleaved rounds, each its own pair of loaders over ``passes`` passes of
     the rows (a process's start and its ring's first touch are paid once per epoch, not per batch)."""
     from pipelines.schema import ShardSet
-    from training.data import ShardCropDataset, collate_crops
+    from training.data import CANVAS_RING, ShardCropDataset, collate_crops
 
     ss = ShardSet(shards)
     order = np.random.default_rng(0).permutation(len(ss))[: len(ss) // batch * batch].tolist() * passes
     canvas = ShardCropDataset(ss, img_size).canvas
     rounds = {"fresh_shared_memory": [], "canvas_ring": []}
+    trainer = {"fresh_shared_memory": [], "canvas_ring": []}
     for _ in range(repeats):
-        rounds["fresh_shared_memory"].append(handoff_us(ShardCropDataset(ss, img_size, canvas=canvas, ring=0),
-                                                        order, batch, collate_crops))
-        rounds["canvas_ring"].append(handoff_us(ShardCropDataset(ss, img_size, canvas=canvas),
-                                                order, batch, collate_crops, release=True))
+        for k, ring, release in (("fresh_shared_memory", 0, False), ("canvas_ring", CANVAS_RING, True)):
+            total, own = handoff_us(ShardCropDataset(ss, img_size, canvas=canvas, ring=ring), order, batch,
+                                    collate_crops, release=release, trainer_share=True)
+            rounds[k].append(total)
+            trainer[k].append(own)
     out = {f"handoff_us_{k}": round(float(np.median(v)), 1) for k, v in rounds.items()}
+    # Of which the trainer process (receiving each batch); the rest is the DataLoader process's.
+    out |= {f"handoff_trainer_us_{k}": round(float(np.median(v)), 1) for k, v in trainer.items()}
     out["handoff_images"] = len(order)
     out["handoff_us_rounds"] = {k: [round(x, 1) for x in v] for k, v in rounds.items()}
     return out
