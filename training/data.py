@@ -263,36 +263,56 @@ class CanvasSlot:
     The trainer process calls :meth:`release` once it no longer reads the batch's canvas (after the
     host-to-device copy, or after the step on CPU); until then the worker leaves the canvas alone and,
     should it need one, takes fresh shared memory instead. Not a tensor, so ``pin_memory`` passes it
-    through untouched; it holds the canvas so that the trainer process keeps the segment mapped.
+    through untouched; it holds the ring's memory so that the trainer process keeps it mapped.
     """
 
-    def __init__(self, free: torch.Tensor, index: int, canvas: torch.Tensor):
-        self.free, self.index, self.canvas = free, index, canvas
+    def __init__(self, memory: torch.Tensor, flag: int):
+        self.memory, self.flag = memory, flag
 
     @property
     def key(self) -> tuple[int, int]:
-        return self.free.untyped_storage().data_ptr(), self.index
+        return self.memory.untyped_storage().data_ptr(), self.flag
 
     def release(self) -> None:
-        self.free[self.index] = 1
+        self.memory[self.flag] = 1
 
 
 class _CanvasRing:
-    """``depth`` canvas batches in shared memory, made on first use in a DataLoader process, and a
-    shared free flag per canvas that :meth:`CanvasSlot.release` sets from the trainer process."""
+    """``depth`` canvas batches in one block of shared memory, made on first use in a DataLoader
+    process, followed by a free flag per canvas that :meth:`CanvasSlot.release` sets from the
+    trainer process."""
 
     def __init__(self, shape: tuple[int, ...], depth: int):
-        self.canvases = _new_shared_uint8((depth, *shape))
-        self.free = torch.ones(depth, dtype=torch.int32).share_memory_()
+        self.per, self.shape = int(np.prod(shape)), shape
+        self.memory = _new_shared_uint8((depth * self.per + depth,))
+        self.canvases = self.memory[:depth * self.per].view(depth, *shape)
+        self.free = self.memory[depth * self.per:]
+        self.free.fill_(1)
         self.next = 0
 
     def take(self, n: int) -> tuple[torch.Tensor, CanvasSlot | None]:
         i = self.next
         self.next = (i + 1) % len(self.free)
-        if n > self.canvases.shape[1] or not self.free[i]:
-            return _shared_uint8((n, *self.canvases.shape[2:])), None
+        if n > self.shape[0] or not self.free[i]:
+            return _shared_uint8((n, *self.shape[1:])), None
         self.free[i] = 0
-        return self.canvases[i, :n], CanvasSlot(self.free, i, self.canvases[i])
+        return self.canvases[i, :n], CanvasSlot(self.memory, len(self.canvases) * self.per + i)
+
+
+class _RingBatch(dict):
+    """A crop batch whose canvas lies in a ring. Pickled to the trainer process as the ring's memory
+    (one file descriptor to pass, whose mapping the trainer reuses) and the small fields as bytes:
+    a tensor each would cost a new shared segment and a descriptor each, per batch."""
+
+    def __reduce__(self):
+        image, slot = self["image"], self["slot"]
+        small = {k: v.numpy() for k, v in self.items() if k not in ("image", "slot")}
+        return _unpack_ring_batch, (slot.memory, slot.flag, image.storage_offset(), tuple(image.shape), small)
+
+
+def _unpack_ring_batch(memory: torch.Tensor, flag: int, offset: int, shape: tuple[int, ...], small: dict) -> dict:
+    image = memory[offset:offset + int(np.prod(shape))].view(shape)
+    return {"image": image, **{k: torch.from_numpy(v) for k, v in small.items()}, "slot": CanvasSlot(memory, flag)}
 
 
 def release_canvases(batches):
@@ -406,7 +426,7 @@ class ShardCropDataset(ShardImageDataset):
         label = torch.from_numpy(np.stack(labels)) if self.label_mode == "multi" else torch.tensor(labels)
         out = {"image": image, "box": torch.from_numpy(box), "extent": torch.from_numpy(extent),
                "flip": torch.from_numpy(flip), "label": label}
-        return out if slot is None else {**out, "slot": slot}
+        return out if slot is None else _RingBatch({**out, "slot": slot})
 
 
 def collate_crops(batch: dict) -> dict:
