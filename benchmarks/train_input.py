@@ -15,7 +15,9 @@ Per core (the final JSON line; run pinned to one core, ``taskset -c 1``), CPU ti
 
 ``--profile`` adds a per-stage breakdown (microseconds per image), including the hand-off from a
 DataLoader process (the CPU of one worker process plus the trainer's, minus the same rows in
-process). ``--raw`` also stores the shards with ``prepare --store raw`` and measures both loaders
+process). ``--handoff`` measures that hand-off alone, repeated: fresh shared memory for every batch (the
+baseline) against each DataLoader process's ring of reused canvases (``training.data.CANVAS_RING``).
+``--raw`` also stores the shards with ``prepare --store raw`` and measures both loaders
 on them. ``--loaders`` runs the end-to-end comparison (wall clock): a folder-of-JPEGs loop, the shards
 loader and Ray Data, each per item (float) and as the crop split (``*_crop_*``), then their input
 wait while training ``--model``, the crop split's device half inside the step.
@@ -23,7 +25,7 @@ wait while training ``--model``, the crop split's device half inside the step.
 Without ``--shards``, shards of ``--images`` real-photo crops (the demo's generator) are made at
 ``--size`` px. The final line is JSON.
 
-    python benchmarks/train_input.py [--shards DIR | --size 256 --images 1500] [--img-size 224] [--profile] [--raw] [--loaders]
+    python benchmarks/train_input.py [--shards DIR | --size 256 --images 1500] [--img-size 224] [--profile] [--handoff] [--raw] [--loaders]
 """
 from __future__ import annotations
 
@@ -241,22 +243,56 @@ class _Stages:
         self.t = now
 
 
-def handoff_us(dataset, order: list[int], batch: int, collate=None) -> float:
+def handoff_us(dataset, order: list[int], batch: int, collate=None, release: bool = False,
+               trainer_share: bool = False) -> float | tuple[float, float]:
     """CPU microseconds per image that one DataLoader process adds: worker plus trainer process,
-    minus the same rows in process (resource usage of this process and its reaped children)."""
+    minus the same rows in process (resource usage of this process and its reaped children).
+    ``release``: the trainer hands each crop batch's canvas back (``training.data.release_canvases``).
+    ``trainer_share``: also the trainer process's own microseconds per image (receiving the batches)."""
     import resource
 
-    def cpu(workers: int) -> float:
+    from training.data import release_canvases
+
+    def cpu(workers: int) -> list[float]:
         kw = {"collate_fn": collate} if collate else {}
         loader = torch.utils.data.DataLoader(dataset, batch_size=batch, sampler=order, num_workers=workers, **kw)
         before = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-        _drain(loader)
+        _drain(release_canvases(loader) if release else loader)
         del loader
         after = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
-        return sum(a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before))
+        return [a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before)]
 
     cpu(0)
-    return (cpu(1) - cpu(0)) / len(order) * 1e6
+    in_process, worker = sum(cpu(0)), cpu(1)
+    total = (sum(worker) - in_process) / len(order) * 1e6
+    return (total, worker[0] / len(order) * 1e6) if trainer_share else total
+
+
+def handoff(shards: str, img_size: int, batch: int, repeats: int, passes: int) -> dict:
+    """The crop split's hand-off from one DataLoader process, CPU microseconds per image: fresh shared
+    memory per batch (``ring=0``, the baseline) against the canvas ring with ``release_canvases``;
+    medians of ``repeats`` interleaved rounds, each its own pair of loaders over ``passes`` passes of
+    the rows (a process's start and its ring's first touch are paid once per epoch, not per batch)."""
+    from pipelines.schema import ShardSet
+    from training.data import CANVAS_RING, ShardCropDataset, collate_crops
+
+    ss = ShardSet(shards)
+    order = np.random.default_rng(0).permutation(len(ss))[: len(ss) // batch * batch].tolist() * passes
+    canvas = ShardCropDataset(ss, img_size).canvas
+    rounds = {"fresh_shared_memory": [], "canvas_ring": []}
+    trainer = {"fresh_shared_memory": [], "canvas_ring": []}
+    for _ in range(repeats):
+        for k, ring, release in (("fresh_shared_memory", 0, False), ("canvas_ring", CANVAS_RING, True)):
+            total, own = handoff_us(ShardCropDataset(ss, img_size, canvas=canvas, ring=ring), order, batch,
+                                    collate_crops, release=release, trainer_share=True)
+            rounds[k].append(total)
+            trainer[k].append(own)
+    out = {f"handoff_us_{k}": round(float(np.median(v)), 1) for k, v in rounds.items()}
+    # Of which the trainer process (receiving each batch); the rest is the DataLoader process's.
+    out |= {f"handoff_trainer_us_{k}": round(float(np.median(v)), 1) for k, v in trainer.items()}
+    out["handoff_images"] = len(order)
+    out["handoff_us_rounds"] = {k: [round(x, 1) for x in v] for k, v in rounds.items()}
+    return out
 
 
 def profile(shards: str, img_size: int, batch: int) -> dict:
@@ -331,7 +367,11 @@ def profile(shards: str, img_size: int, batch: int) -> dict:
     table = {"legacy_us": {k: round(v / n, 1) for k, v in old.total.items()},
              "crop_split_us": {k: round(v / n, 1) for k, v in new.total.items()}}
     table["legacy_us"]["hand-off (1 DataLoader process)"] = round(handoff_us(legacy_ds, order, batch), 1)
-    table["crop_split_us"]["hand-off (1 DataLoader process)"] = round(handoff_us(crop, order, batch, D.collate_crops), 1)
+    fresh = D.ShardCropDataset(ss, img_size, ring=0)  # the baseline: new shared memory for every batch
+    table["crop_split_us"]["hand-off (1 DataLoader process), fresh shared memory"] = round(
+        handoff_us(fresh, order, batch, D.collate_crops), 1)
+    table["crop_split_us"]["hand-off (1 DataLoader process), canvas ring"] = round(
+        handoff_us(crop, order, batch, D.collate_crops, release=True), 1)
     sample = crop.__getitems__(order[:batch])
     start = time.thread_time_ns()
     crop_resize_flip(sample["image"], sample["box"], sample["extent"], sample["flip"], img_size)
@@ -391,6 +431,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per per-core figure (median)")
     ap.add_argument("--profile", action="store_true", help="also print the per-stage table")
+    ap.add_argument("--handoff", action="store_true",
+                    help="also measure the DataLoader hand-off, fresh shared memory against the canvas ring")
+    ap.add_argument("--handoff-passes", type=int, default=4, help="passes over the rows per --handoff round")
     ap.add_argument("--raw", action="store_true", help="also store the shards raw (prepare --store raw) and measure")
     ap.add_argument("--loaders", action="store_true", help="also run the end-to-end loader and input-wait comparison")
     ap.add_argument("--model", default="Ti/16", help="vitcore variant trained for the input-wait figures")
@@ -417,6 +460,8 @@ def main(argv=None) -> dict:
         result["loader_vs_legacy"] = round(result["loader_img_s_per_core"] / result["legacy_img_s_per_core"], 2)
         if args.profile:
             result["profile"] = profile(shards, args.img_size, args.batch)
+        if args.handoff:
+            result.update(handoff(shards, args.img_size, args.batch, max(args.repeats, 5), args.handoff_passes))
         if args.raw:
             raw, _ = make_shards(root, 0, 0, args.size, store="raw", source=shards)
             figures = per_core(raw, args.img_size, args.batch, args.repeats)

@@ -243,8 +243,89 @@ def _shared_uint8(shape: tuple[int, ...]) -> torch.Tensor:
     hand-off to the trainer process does not copy it again (as ``default_collate`` does)."""
     if torch.utils.data.get_worker_info() is None:
         return torch.empty(shape, dtype=torch.uint8)
+    return _new_shared_uint8(shape)
+
+
+def _new_shared_uint8(shape: tuple[int, ...]) -> torch.Tensor:
     storage = torch.UntypedStorage._new_shared(int(np.prod(shape)))
     return torch.empty(0, dtype=torch.uint8).set_(storage).view(shape)
+
+
+#: Canvas batches each DataLoader process keeps in shared memory for reuse: its ``prefetch_factor``
+#: (2) batches in flight, the one the trainer holds, and one spare. A fresh shared segment per batch
+#: costs a page fault per 4 KB on first write (the hand-off row of benchmarks/README.md).
+CANVAS_RING = 4
+
+
+class CanvasSlot:
+    """A DataLoader process's claim on one canvas of its ring, travelling with the batch.
+
+    The trainer process calls :meth:`release` once it no longer reads the batch's canvas (after the
+    host-to-device copy, or after the step on CPU); until then the worker leaves the canvas alone and,
+    should it need one, takes fresh shared memory instead. Not a tensor, so ``pin_memory`` passes it
+    through untouched; it holds the ring's memory so that the trainer process keeps it mapped.
+    """
+
+    def __init__(self, memory: torch.Tensor, flag: int):
+        self.memory, self.flag = memory, flag
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return self.memory.untyped_storage().data_ptr(), self.flag
+
+    def release(self) -> None:
+        self.memory[self.flag] = 1
+
+
+class _CanvasRing:
+    """``depth`` canvas batches in one block of shared memory, made on first use in a DataLoader
+    process, followed by a free flag per canvas that :meth:`CanvasSlot.release` sets from the
+    trainer process."""
+
+    def __init__(self, shape: tuple[int, ...], depth: int):
+        self.per, self.shape = int(np.prod(shape)), shape
+        self.memory = _new_shared_uint8((depth * self.per + depth,))
+        self.canvases = self.memory[:depth * self.per].view(depth, *shape)
+        self.free = self.memory[depth * self.per:]
+        self.free.fill_(1)
+        self.next = 0
+
+    def take(self, n: int) -> tuple[torch.Tensor, CanvasSlot | None]:
+        i = self.next
+        self.next = (i + 1) % len(self.free)
+        if n > self.shape[0] or not self.free[i]:
+            return _shared_uint8((n, *self.shape[1:])), None
+        self.free[i] = 0
+        return self.canvases[i, :n], CanvasSlot(self.memory, len(self.canvases) * self.per + i)
+
+
+class _RingBatch(dict):
+    """A crop batch whose canvas lies in a ring. Pickled to the trainer process as the ring's memory
+    (one file descriptor to pass, whose mapping the trainer reuses) and the small fields as bytes:
+    a tensor each would cost a new shared segment and a descriptor each, per batch."""
+
+    def __reduce__(self):
+        image, slot = self["image"], self["slot"]
+        small = {k: v.numpy() for k, v in self.items() if k not in ("image", "slot")}
+        return _unpack_ring_batch, (slot.memory, slot.flag, image.storage_offset(), tuple(image.shape), small)
+
+
+def _unpack_ring_batch(memory: torch.Tensor, flag: int, offset: int, shape: tuple[int, ...], small: dict) -> dict:
+    image = memory[offset:offset + int(np.prod(shape))].view(shape)
+    return {"image": image, **{k: torch.from_numpy(v) for k, v in small.items()}, "slot": CanvasSlot(memory, flag)}
+
+
+def release_canvases(batches):
+    """Yield crop batches, handing each one's canvas back to its DataLoader process when the next
+    batch is asked for: the consumer must be done with a batch's ``image`` by then."""
+    kept: dict[tuple[int, int], CanvasSlot] = {}
+    for batch in batches:
+        yield batch
+        slot = batch.get("slot") if isinstance(batch, dict) else None
+        if slot is not None:
+            # Kept alive, the trainer process reuses its mapping of the canvas (torch's shared cache).
+            kept[slot.key] = slot
+            slot.release()
 
 
 class _ShardColumns:
@@ -289,7 +370,7 @@ class ShardCropDataset(ShardImageDataset):
 
     def __init__(self, shards: str | ShardSet, size: int, *, flip: bool = True, min_area: float = 0.05,
                  canvas: tuple[int, int] | None = None, label_mode: LabelMode = "single",
-                 rows: np.ndarray | None = None, seed: int = 0):
+                 rows: np.ndarray | None = None, seed: int = 0, ring: int = CANVAS_RING):
         if not 0.0 < min_area <= 1.0:
             raise ValueError(f"min_area must be in (0, 1], got {min_area}")
         super().__init__(shards, None, label_mode=label_mode, rows=rows, seed=seed)
@@ -298,11 +379,20 @@ class ShardCropDataset(ShardImageDataset):
         self._retained = [self.shards.retained_rows(i) for i in range(len(self.shards.shards))]
         self._starts = np.cumsum([0] + [len(r) for r in self._retained]).tolist()
         self._columns: dict[int, _ShardColumns] = {}
+        self.ring, self._ring = ring, None
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_columns"] = {}
+        state["_columns"], state["_ring"] = {}, None
         return state
+
+    def _canvas(self, n: int) -> tuple[torch.Tensor, CanvasSlot | None]:
+        """A batch canvas: in a DataLoader process, from its ring (made at the first batch's size)."""
+        if torch.utils.data.get_worker_info() is None or not self.ring:
+            return _shared_uint8((n, *self.canvas, 3)), None
+        if self._ring is None:
+            self._ring = _CanvasRing((n, *self.canvas, 3), self.ring)
+        return self._ring.take(n)
 
     def _row(self, index: int):
         shard = bisect.bisect_right(self._starts, index) - 1
@@ -316,7 +406,7 @@ class ShardCropDataset(ShardImageDataset):
 
     def __getitems__(self, positions: Sequence[int]) -> dict:
         n = len(positions)
-        image = _shared_uint8((n, *self.canvas, 3))
+        image, slot = self._canvas(n)
         canvas = image.numpy()
         box, extent, flip = np.empty((n, 4), np.float32), np.empty((n, 2), np.int64), np.zeros(n, bool)
         labels = []
@@ -334,8 +424,9 @@ class ShardCropDataset(ShardImageDataset):
                 labels.append(encode_target(ids.tolist(), self.label_mode, self.num_classes,
                                             row=self.shards[index]["source"]))
         label = torch.from_numpy(np.stack(labels)) if self.label_mode == "multi" else torch.tensor(labels)
-        return {"image": image, "box": torch.from_numpy(box), "extent": torch.from_numpy(extent),
-                "flip": torch.from_numpy(flip), "label": label}
+        out = {"image": image, "box": torch.from_numpy(box), "extent": torch.from_numpy(extent),
+               "flip": torch.from_numpy(flip), "label": label}
+        return out if slot is None else _RingBatch({**out, "slot": slot})
 
 
 def collate_crops(batch: dict) -> dict:

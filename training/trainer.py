@@ -34,6 +34,7 @@ from training.data import (
     eval_transform,
     holdout_mask,
     normalize,
+    release_canvases,
     shard_keys,
     split_rows,
     train_transform,
@@ -49,6 +50,7 @@ from training.loop import (
     unwrap,
 )
 from training.metrics import MetricsSink
+from training.step import adamw, compile_mode, compile_model
 from vitcore.variants import decode_variant
 
 
@@ -126,7 +128,7 @@ class Trainer:
             dist_model = trainable
         else:
             dist_model = ray.train.torch.prepare_model(trainable)
-        return model, dist_model, torch.compile(dist_model) if cfg.compile else dist_model
+        return model, dist_model, compile_model(dist_model, compile_mode(cfg.compile, self.device.type))
 
     def state_dict(self) -> dict:
         """The model and optimiser, whole (FSDP gathers its shards: every rank calls this), and the step."""
@@ -245,14 +247,7 @@ def model_options(cfg: Any) -> dict[str, Any]:
 
 
 def _optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """Adam with decoupled weight decay (Appendix B.1), none on biases, norms and embeddings."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (no_decay if p.ndim < 2 or "pos_embed" in name or "cls_token" in name else decay).append(p)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.999),
-    )
+    return adamw(model, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=cfg.fused_adamw)
 
 
 def _datasets(cfg: Any) -> tuple[ShardImageDataset, ShardImageDataset, int]:
@@ -304,9 +299,12 @@ class ShardStream:
         rows = self._order(epoch)[offset * self.per_worker: self.steps_per_epoch * self.per_worker]
         self.ds.set_epoch(epoch)
         crops = {"collate_fn": collate_crops} if isinstance(self.ds, ShardCropDataset) else {}
-        yield from DataLoader(self.ds, batch_size=self.cfg.microbatch_size, sampler=rows.tolist(), drop_last=True,
-                              num_workers=self.cfg.dataloader_workers, pin_memory=self.device.type == "cuda",
-                              generator=_own_generator(self.cfg.seed), **crops)
+        loader = DataLoader(self.ds, batch_size=self.cfg.microbatch_size, sampler=rows.tolist(), drop_last=True,
+                            num_workers=self.cfg.dataloader_workers, pin_memory=self.device.type == "cuda",
+                            generator=_own_generator(self.cfg.seed), **crops)
+        # The trainer is done with a micro-batch's canvas when it asks for the next (_loss resizes it
+        # into a new tensor), so DataLoader processes may write into it again.
+        yield from release_canvases(loader) if crops else loader
 
     def rows(self, epoch: int, offset: int) -> np.ndarray:
         """The shard rows of step ``offset`` of ``epoch``."""

@@ -266,3 +266,57 @@ def test_crop_batches_train_a_model_through_the_device_half(photo_shards):
     loss.backward()
     opt.step()
     assert torch.isfinite(loss)
+
+
+
+def _crop_batches(ss, rows, *, workers, ring, release, copy=True):
+    """The batches as the consumer sees them: each copied before it asks for the next (``copy``),
+    or the batches themselves, held to the end."""
+    import torch
+
+    from training.data import ShardCropDataset, collate_crops, release_canvases
+
+    ds = ShardCropDataset(ss, 32, seed=4, ring=ring)
+    ds.set_epoch(1)
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, sampler=rows, drop_last=True, num_workers=workers,
+                                         prefetch_factor=2 if workers else None, collate_fn=collate_crops)
+    seen, slots = [], []
+    for b in (release_canvases(loader) if release else loader):
+        seen.append({k: b[k].clone() for k in ("image", "box", "extent", "flip", "label")} if copy else b)
+        slots.append(b.get("slot"))
+    return seen, slots
+
+
+def _same_batches(a_list, b_list):
+    assert len(a_list) == len(b_list)
+    for a, b in zip(a_list, b_list):
+        for field in ("box", "extent", "flip", "label"):
+            assert (a[field] == b[field]).all()
+        for k, (h, w) in enumerate(a["extent"].tolist()):
+            assert (a["image"][k, :h, :w] == b["image"][k, :h, :w]).all()
+
+
+def test_dataloader_processes_reuse_released_canvases_and_batches_stay_the_same(photo_shards):
+    """With release_canvases, each DataLoader process writes its batches into a few shared canvases
+    again and again; every batch is still the one the process-free loader gives, pixel for pixel."""
+    from training.data import CANVAS_RING
+
+    rows = (np.random.default_rng(1).permutation(len(photo_shards) * 6) % len(photo_shards)).tolist()
+    reference, _ = _crop_batches(photo_shards, rows, workers=0, ring=CANVAS_RING, release=False)
+    reused, slots = _crop_batches(photo_shards, rows, workers=2, ring=CANVAS_RING, release=True)
+    assert len(reused) > 2 * CANVAS_RING
+    assert all(s is not None for s in slots)  # no batch needed fresh shared memory
+    assert len({s.key for s in slots}) <= 2 * CANVAS_RING
+    _same_batches(reference, reused)
+
+
+def test_a_canvas_never_released_is_never_written_again(photo_shards):
+    """A consumer that keeps every batch (no release_canvases) gets fresh shared memory once the
+    ring is used up, so no batch it holds changes under it."""
+    from training.data import CANVAS_RING
+
+    rows = (np.random.default_rng(2).permutation(len(photo_shards) * 6) % len(photo_shards)).tolist()
+    reference, _ = _crop_batches(photo_shards, rows, workers=0, ring=CANVAS_RING, release=False)
+    held, slots = _crop_batches(photo_shards, rows, workers=1, ring=CANVAS_RING, release=False, copy=False)
+    assert [s is not None for s in slots] == [k < CANVAS_RING for k in range(len(slots))]
+    _same_batches(reference, held)
