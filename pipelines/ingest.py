@@ -12,10 +12,11 @@ outputs, which Beam's DaskRunner routes wrongly (:mod:`pipelines.dask_runner`). 
 exception on one element is caught there and becomes a rejected row with reason
 ``unexpected_error`` (the dead letter).
 
-The encoded images never cross the shuffle: the spill step parks them in
-per-bundle files under the run's staging folder and the records carry only a
-``(file, offset, length)`` reference, which the shard writer reads back
-(:mod:`pipelines.spill`). A row's shard is a stable hash of its content hash,
+Only a short reference per record crosses the shuffle: the spill step parks each
+image and the record's other fields in per-bundle files under the run's staging
+folder and passes on the key, the content hash and where the rest is, which the
+shard writer reads back (:mod:`pipelines.spill`). The runner holds the whole
+shuffle at once, so this is what keeps the job's memory from growing with the corpus. A row's shard is a stable hash of its content hash,
 so exact copies of one image meet in the same shard group, and the shard
 writer keeps one of them (the smallest key) while writing.
 
@@ -239,19 +240,17 @@ def _match_test_sets(record: dict, index, progress_dir: str | None = None) -> di
     }
 
 
-def _pick_unique(records: Iterable[dict]) -> tuple[list[dict], list[dict]]:
-    """(kept, duplicate rows): one record per content hash, the one with the smallest key."""
-    by_hash: dict[str, list[dict]] = {}
+def _pick_unique(records: Iterable) -> tuple[list, list[tuple]]:
+    """(kept, [(dropped, kept copy)]): one record per content hash, the one with the smallest key."""
+    by_hash: dict[str, list] = {}
     for r in records:
-        by_hash.setdefault(r["content_hash"], []).append(r)
-    kept, dups = [], []
+        by_hash.setdefault(r.content_hash, []).append(r)
+    kept, dropped = [], []
     for copies in by_hash.values():
-        copies.sort(key=lambda r: r["key"])
-        keep = copies[0]
-        kept.append(keep)
-        dups += [{"_t": "duplicate", "key": r["key"], "uri": r["uri"], "cause": "corpus", "duplicate_of": keep["key"]}
-                 for r in copies[1:]]
-    return kept, dups
+        copies.sort(key=lambda r: r.key)
+        kept.append(copies[0])
+        dropped += [(r, copies[0]) for r in copies[1:]]
+    return kept, dropped
 
 
 def _num_shards(total_bytes: int, shard_bytes: float) -> int:
@@ -267,40 +266,40 @@ def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, 
                  progress_dir: str | None = None) -> Iterator[dict]:
     """Write one shard atomically, keeping one record per content hash.
 
-    The records carry their images as ``blob`` references into the run's spill files
-    (:mod:`pipelines.spill`); the images are read back one output batch at a time.
+    The group holds packed :class:`pipelines.spill.Ref` strings; each record's image and
+    fields are read back from the run's spill files one output batch at a time.
     Yields the shard's manifest entry, then a duplicate row for each record dropped.
     """
     from apache_beam.metrics import Metrics
 
-    from pipelines.spill import BLOB, Blobs  # loads apache_beam
+    from pipelines.spill import Blobs, Ref  # loads apache_beam
 
-    index, records = group
-    kept, dups = _pick_unique(records)
-    kept.sort(key=lambda r: r["key"])
+    index, packed = group
+    kept, dropped = _pick_unique(Ref.unpack(r) for r in packed)
+    kept.sort(key=lambda r: r.key)
     name = schema.shard_name(index)
     fs, root = _fs(out_url)
-    # Streamed in batches: besides the grouped records themselves, only one batch of
-    # rows is ever held as Arrow arrays, and the file's bytes are never held whole.
+    # Streamed in batches: besides the refs, only one batch of rows is ever held
+    # as Arrow arrays, and the file's bytes are never held whole.
     with atomic_open(f"{root}/{name}", fs) as f, Blobs(staging_url) as blobs:
         sink = _Digest(f)
         with ipc.new_file(pa.PythonFile(sink, mode="w"), schema.SCHEMA) as writer:
             for start in range(0, len(kept), schema.BATCH_ROWS):
-                batch = kept[start:start + schema.BATCH_ROWS]
-                images = blobs.read_many([r[BLOB] for r in batch])
                 rows = [{
                     schema.KEY: r["key"], schema.IMAGE: image, schema.FORMAT: r["format"],
                     schema.HEIGHT: r["height"], schema.WIDTH: r["width"],
                     schema.LABELS: sorted({label_map[label] for label in r["labels"]}),
                     schema.SOURCE: r["uri"], schema.CONTENT_HASH: r["content_hash"], schema.PHASH: r["phash"],
-                } for r, image in zip(batch, images)]
+                } for image, r in blobs.read_records(kept[start:start + schema.BATCH_ROWS])]
                 writer.write_table(schema.records_to_table(rows))
+        uris = [r["uri"] for _, r in blobs.read_records([d for d, _ in dropped])]
     Metrics.counter(NAMESPACE, "written").inc(len(kept))
     Metrics.counter(NAMESPACE, "bytes_written").inc(sink.size)
-    worker_counts.count(progress_dir, written=len(kept), duplicates=len(dups))
+    worker_counts.count(progress_dir, written=len(kept), duplicates=len(dropped))
     yield {"_t": "shard", "path": name, "rows": len(kept), "bytes": sink.size, "sha256": sink.sha256.hexdigest(),
-           "received": len(kept) + len(dups)}
-    yield from dups
+           "received": len(kept) + len(dropped)}
+    for (d, keep), uri in zip(dropped, uris):
+        yield {"_t": "duplicate", "key": d.key, "uri": uri, "cause": "corpus", "duplicate_of": keep.key}
 
 
 def _write_outputs(rows: list[dict], url: str) -> None:
@@ -412,10 +411,9 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         records = matched_kinds["record"]
         dup_parts.append(matched_kinds["duplicate"])
 
-    # From here on only metadata travels: the images wait in staging files (pipelines/spill.py).
-    from pipelines.spill import SpillImages
-
-    records = records | "SpillImages" >> beam.ParDo(SpillImages(staging_url))
+    # From here on only a packed Ref per record travels: its image and fields wait in staging
+    # files (pipelines/spill.py), since the runner holds everything in the shuffle at once.
+    from pipelines.spill import Ref, SpillRecords
 
     if label_map is not None:
         labels_pc = p | "GivenLabels" >> beam.Create([dict(label_map)])
@@ -429,18 +427,19 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
             | "SortLabels" >> beam.combiners.ToList()
             | "LabelIds" >> beam.Map(lambda names: {n: i for i, n in enumerate(sorted(names))})
         )
+    refs = records | "SpillRecords" >> beam.ParDo(SpillRecords(staging_url))
     # Counted again where the records enter the shuffle, so that a mismatch in the
     # accounting says on which side of it items went missing.
-    to_shards = _count_row((records,), "Records", "records")
+    to_shards = _count_row((refs,), "Records", "records")
     num_shards = (
-        records
-        | "RowBytes" >> beam.Map(lambda r: r["blob"][2] + _ROW_OVERHEAD)
+        refs
+        | "RowBytes" >> beam.Map(lambda r: Ref.unpack(r).blob[2] + _ROW_OVERHEAD)
         | "TotalBytes" >> beam.CombineGlobally(sum)
         | "NumShards" >> beam.Map(_num_shards, shard_bytes)
     )
     written = (
-        records
-        | "AssignShard" >> beam.Map(lambda r, n: (shard_of(r["content_hash"], n), r), AsSingleton(num_shards))
+        refs
+        | "AssignShard" >> beam.Map(lambda r, n: (shard_of(Ref.unpack(r).content_hash, n), r), AsSingleton(num_shards))
         | "GroupShard" >> beam.GroupByKey()
         | "WriteShard" >> beam.FlatMap(_write_shard, out_url, staging_url, AsSingleton(labels_pc),
                                                 progress_dir)
