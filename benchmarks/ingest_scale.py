@@ -10,8 +10,9 @@ corpora are hard links to the first files of the largest, so every run reads the
 sampler reads the resident set of its whole process tree (the driver, the Beam workers or the
 Dask cluster) every 0.5 s with psutil. Per size: the wall time, the peak of the tree and the
 peak of each kind of process. Between sizes: the marginal rate, the extra inputs over the
-extra seconds (start-up cancels). Over all sizes: the least-squares slope of the peak against
-the inputs, in KB per input, and the peak it extrapolates to for 1.28M inputs (ImageNet-1k).
+extra seconds (start-up cancels). Over the sizes: the growth of the peak with
+the inputs, in KB per input, between the two largest sizes (see :func:`summarise`), and the peak
+it extrapolates to for 1.28M inputs (ImageNet-1k).
 
 ``--baseline-repo DIR`` runs the same sizes with another checkout's ``jobs/prepare.py`` and
 code (for example main before a change), in the same session and under the same load.
@@ -169,21 +170,33 @@ def run_prepare(repo: Path, inputs: Path, output: Path, home: Path, runner: str,
 
 
 def summarise(runs: dict[int, dict]) -> dict:
+    """Rates between sizes, and the peak's growth per input between the two largest sizes.
+
+    The slope is taken between the two largest sizes, not fitted through all of them: a
+    corpus of fewer shards than workers has fewer shard writers running at once, and each
+    holds a batch of images, so the first sizes mix that step into the per-input cost. The
+    fit over every size is given too.
+    """
     sizes = sorted(runs)
-    n = np.array(sizes, float)
     peak = np.array([runs[s]["peak_rss_mb"] for s in sizes], float)
-    slope, base = np.polyfit(n, peak, 1) if len(sizes) > 1 else (float("nan"), peak[0])
     marginal = {f"{a}-{b}": round((b - a) / max(runs[b]["wall_s"] - runs[a]["wall_s"], 1e-9), 1)
                 for a, b in zip(sizes, sizes[1:])}
     rates = list(marginal.values())
-    return {
+    out = {
         "sizes": {str(s): {k: v for k, v in runs[s].items() if k != "shard_sha256"} for s in sizes},
         "marginal_img_s": marginal,
         "marginal_last_over_first": round(rates[-1] / rates[0], 2) if len(rates) > 1 else None,
-        "slope_kb_per_input": round(slope * 1024, 2),
-        "base_mb": round(base),
-        "extrapolated_imagenet_gb": round((base + slope * IMAGENET) / 1024, 2),
     }
+    if len(sizes) > 1:
+        (a, b), (pa_, pb) = sizes[-2:], peak[-2:]
+        slope = float(pb - pa_) / (b - a)  # MB per input
+        fit = float(np.polyfit(np.array(sizes, float), peak, 1)[0])
+        out.update({
+            "slope_kb_per_input": round(slope * 1024, 2),
+            "slope_kb_per_input_fit_all_sizes": round(fit * 1024, 2),
+            "extrapolated_imagenet_gb": round((float(pb) + slope * (IMAGENET - b)) / 1024, 2),
+        })
+    return out
 
 
 def measure(repo: Path, corpora: dict[int, Path], tmp: Path, runner: str, workers: int, size: int,
