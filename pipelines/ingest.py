@@ -75,6 +75,9 @@ NAMESPACE = "prepare"
 _ROW_OVERHEAD = 160
 
 
+#: Units per plan chunk (pipelines.ingest.write_plan), and the fewest chunks a large plan is cut into.
+UNITS_PER_CHUNK, MIN_PLAN_CHUNKS = 256, 64
+
 #: Runs of the whole pipeline before an accounting mismatch is an error (see run_prepare).
 MAX_ATTEMPTS = 2
 
@@ -169,6 +172,36 @@ def _read_unit(unit: Unit, max_bytes: int | None = None, progress_dir: str | Non
         yield _unit_failed(unit, exc, n)
         return
     worker_counts.count(progress_dir, units=1)
+
+
+def write_plan(units: list[Unit], url: str) -> list[str]:
+    """Write ``units`` as JSON-lines chunk files under ``url``; returns their paths.
+
+    The pipeline reads its units from these files, so neither its graph (which every Beam
+    worker receives whole) nor the driver holds the plan while the job runs: at 80,000
+    inputs that was 1.5 KB per input in the driver (benchmarks/README.md, issue 24). Enough
+    chunks that every worker gets some; one unit each for a small corpus, as before.
+    """
+    fs, root = _fs(url)
+    fs.makedirs(root, exist_ok=True)
+    count = min(len(units), max(MIN_PLAN_CHUNKS, math.ceil(len(units) / UNITS_PER_CHUNK)))
+    per = math.ceil(len(units) / count)
+    paths = []
+    for i in range(0, len(units), per):
+        path = f"{root}/units-{len(paths):05d}.jsonl"
+        with fs.open(path, "wt") as f:
+            f.writelines(json.dumps(dataclasses.asdict(u)) + "\n" for u in units[i:i + per])
+        paths.append(fs.unstrip_protocol(path))
+    return paths
+
+
+def _plan_chunk(path: str) -> Iterator[Unit]:
+    fs, p = _fs(path)
+    with fs.open(p, "rt") as f:
+        for line in f:
+            d = json.loads(line)
+            yield Unit(d["kind"], tuple(d["uris"]), tuple(tuple(x) for x in d["labels"]), d["index"],
+                       tuple(d["error"]) if d["error"] else None)
 
 
 def _unit_failed(unit: Unit, exc: BaseException, done: int = 0) -> dict[str, Any]:
@@ -323,7 +356,7 @@ def _dask(cfg: PrepareConfig) -> bool:
 
 
 def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, partitions: int | None = None):
-    """Beam options for ``cfg``; on Dask, ``dask_address`` is the scheduler and ``partitions`` the input's units."""
+    """Beam options for ``cfg``; on Dask, ``dask_address`` is the scheduler and ``partitions`` the plan's chunks."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
     if _dask(cfg):
@@ -331,8 +364,8 @@ def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, par
 
         flags = [f"--runner={dask_runner.RUNNER}", f"--dask_client_address={dask_address or cfg.dask_address}"]
         if partitions:
-            # One Dask partition per source unit (16 files, a tar, a shard): Beam's default packs
-            # up to 128 elements per partition, which would give a small corpus one task in all.
+            # One Dask partition per plan chunk (one source unit each for a small corpus): Beam's
+            # default packs up to 128 elements per partition, which would give a small corpus one task.
             flags.append(f"--dask_npartitions={partitions}")
         return PipelineOptions(flags + list(cfg.beam_options))
     flags = [f"--runner={cfg.runner}"]
@@ -369,9 +402,11 @@ def _count_row(pcolls: tuple, name: str, tag: str):
     )
 
 
-def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[str, int] | None,
+def build_pipeline(p, plan: list[str], cfg: PrepareConfig, label_map: Mapping[str, int] | None,
                    index, out_url: str, staging_url: str, progress_dir: str | None = None) -> None:
     """Add the ingest to pipeline ``p``; all small outputs go as JSON lines under ``staging_url``.
+
+    ``plan`` holds the paths of the unit chunks :func:`write_plan` wrote.
 
     Workers add their counts to ``progress_dir`` as they go (:mod:`pipelines.worker_counts`).
     """
@@ -385,8 +420,8 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
     # duplicate or shard row) and Filters split them. Failures are caught per element into
     # rejected rows (reason unexpected_error: the dead letter), never routed by tagged outputs.
     max_bytes = int(cfg.max_file_mb * 1e6)
-    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes, progress_dir,
-                                                                      cfg.roots())
+    units = p | "Plan" >> beam.Create(plan) | "Units" >> beam.FlatMap(_plan_chunk)
+    read = units | "Read" >> beam.FlatMap(_read_unit, max_bytes, progress_dir, cfg.roots())
     inputs = _count_row((read,), "Inputs", "inputs")
     read_kinds = _split(read, "Read", ("item", "rejected"))
 
@@ -609,6 +644,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             tracking.start_run("prepare", params=params, parent_run_id=cfg.parent_run_id,
                                run_name=f"prepare {_set_name(cfg.output)}", tags=tracking.run_tags(cfg)) as run:
         _clean_leftovers(fs, root)
+        plan_dir = f"{root}/.staging-plan-{uuid.uuid4().hex}"
+        plan = write_plan(units, fs.unstrip_protocol(plan_dir))
+        n_units, known = len(units), worker_counts.known_inputs(units)
+        del units
         index = None
         if test_sets:
             from pipelines.testsets import build_test_set_index
@@ -623,15 +662,14 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             staging = f"{root}/.staging-{uuid.uuid4().hex}"
             fs.makedirs(f"{staging}/shards", exist_ok=True)
-            options = pipeline_options(run_cfg, dask_address=engine.address, partitions=len(units))
+            options = pipeline_options(run_cfg, dask_address=engine.address, partitions=len(plan))
             channel = worker_counts.channel_dir(staging, fs)
             line = ProgressLine("prepare")
-            watch = IngestProgress(line, worker_counts.Totals(channel).poll if channel else None, len(units),
-                                   worker_counts.known_inputs(units))
+            watch = IngestProgress(line, worker_counts.Totals(channel).poll if channel else None, n_units, known)
             try:
                 with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0):
                     with beam.Pipeline(options=options) as p:
-                        build_pipeline(p, units, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
+                        build_pipeline(p, plan, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
                                        fs.unstrip_protocol(staging), channel)
                 watch.finish()
             finally:
@@ -667,6 +705,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                     {schema.QUARANTINE: _jsonl(quarantine), schema.DUPLICATES: _jsonl(duplicates)})
         # With it go the temporary files of workers killed while writing a shard (the task ran again elsewhere).
         fs.rm(staging, recursive=True)
+        fs.rm(plan_dir, recursive=True)
         written = schema.shard_set_record(out_url)
         tracking.set_tags({tracking.TAG_OUTPUT_MANIFEST: written["manifest_sha256"],
                            tracking.TAG_DEDUP_STATE: written["dedup_state"]})
