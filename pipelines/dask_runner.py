@@ -130,37 +130,22 @@ def _invoker_arguments(op: _te.ParDo) -> tuple:
 _TRANSLATIONS = dict(_te.TRANSLATIONS)
 
 
-def _gathered(bag):
-    """One task that concatenates ``bag``'s partitions, under the bag's own keys.
-
-    A bag handed to ``dask.delayed`` whole is optimised on its own first, into fused copies of
-    every step before it, which run again; ``dask.delayed(_concat)(bag.to_delayed())`` avoids
-    that but optimises the whole graph once per partition, which took minutes at a few hundred
-    partitions (issue 24). This layer names the partitions' keys directly.
-    """
-    import uuid
-
-    from dask.delayed import Delayed
-    from dask.highlevelgraph import HighLevelGraph
-
-    name = f"beam-side-input-{uuid.uuid4().hex}"
-    layer = {name: (_concat, list(bag.__dask_keys__()))}
-    return Delayed(name, HighLevelGraph.from_collections(name, layer, dependencies=[bag]))
-
-
 class _ParDo(_te.ParDo):
     """Beam's Dask ParDo, but side inputs are computed once, as dependencies of this step's tasks."""
 
     def apply(self, input_bag, side_inputs=None):
         if not side_inputs:
             return super().apply(input_bag, side_inputs)
+        import dask
 
         invoker_args, invoker_kwargs, receivers = _invoker_arguments(self)
         specs, values = [], []
         for sim in side_inputs:
             it = sim._iterable  # Beam's DaskBagWindowedIterator: the producer's bag and window fn
             specs.append(_SideSpec(sim._view_class, sim._view_options, it.window_fn))
-            values.append(_gathered(it.bag))
+            # Partition by partition under the bag's own keys: a bag handed to dask.delayed whole is
+            # optimised on its own first, into fused copies of every step before it, which run again.
+            values.append(dask.delayed(_concat)(it.bag.to_delayed(optimize_graph=False)))
         return input_bag.map(_te.get_windowed_value, _window_fn(self)).map_partitions(
             _apply_dofn_with_side_inputs, invoker_args, invoker_kwargs, receivers, specs, *values,
         )
