@@ -195,8 +195,8 @@ def write_plan(units: list[Unit], url: str) -> list[str]:
     return paths
 
 
-def _plan_chunk(path: str) -> Iterator[Unit]:
-    fs, p = _fs(path)
+def _plan_chunk(path: bytes) -> Iterator[Unit]:
+    fs, p = _fs(path.decode("utf-8", "surrogateescape"))
     with fs.open(p, "rt") as f:
         for line in f:
             d = json.loads(line)
@@ -420,7 +420,9 @@ def build_pipeline(p, plan: list[str], cfg: PrepareConfig, label_map: Mapping[st
     # duplicate or shard row) and Filters split them. Failures are caught per element into
     # rejected rows (reason unexpected_error: the dead letter), never routed by tagged outputs.
     max_bytes = int(cfg.max_file_mb * 1e6)
-    units = p | "Plan" >> beam.Create(plan) | "Units" >> beam.FlatMap(_plan_chunk)
+    # As bytes: an output folder's name need not be UTF-8, which Beam's str coder requires.
+    chunks = [path.encode("utf-8", "surrogateescape") for path in plan]
+    units = p | "Plan" >> beam.Create(chunks) | "Units" >> beam.FlatMap(_plan_chunk)
     read = units | "Read" >> beam.FlatMap(_read_unit, max_bytes, progress_dir, cfg.roots())
     inputs = _count_row((read,), "Inputs", "inputs")
     read_kinds = _split(read, "Read", ("item", "rejected"))
