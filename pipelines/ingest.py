@@ -15,9 +15,9 @@ exception on one element is caught there and becomes a rejected row with reason
 Only a short reference per record crosses the shuffle: the spill step parks each
 image and the record's other fields in per-bundle files under the run's staging
 folder and passes on the key, the content hash and where the rest is, which the
-shard writer reads back (:mod:`pipelines.spill`). The runner holds the whole
-shuffle at once, so this is what keeps the job's memory from growing with the corpus. A row's shard is a stable hash of its content hash,
-so exact copies of one image meet in the same shard group, and the shard
+shard writer reads back (:mod:`pipelines.spill`): the runner holds the whole
+shuffle at once, so what crosses it is paid per input in memory. A row's shard
+is a stable hash of its content hash, so exact copies of one image meet in the same shard group, and the shard
 writer keeps one of them (the smallest key) while writing.
 
 Counts are reconciled from the pipeline's outputs (quarantine rows, duplicate
