@@ -17,8 +17,9 @@ image and the record's other fields in per-bundle files under the run's staging
 folder and passes on the key, the content hash and where the rest is, which the
 shard writer reads back (:mod:`pipelines.spill`): the runner holds the whole
 shuffle at once, so what crosses it is paid per input in memory. A row's shard
-is a stable hash of its content hash, so exact copies of one image meet in the same shard group, and the shard
-writer keeps one of them (the smallest key) while writing.
+is a stable hash of its content hash, so exact copies of one image meet in the
+same shard group, and the shard writer keeps one of them (the smallest key)
+while writing.
 
 Counts are reconciled from the pipeline's outputs (quarantine rows, duplicate
 rows, shard row counts) against an independent count of the items read, never
