@@ -12,12 +12,14 @@ outputs, which Beam's DaskRunner routes wrongly (:mod:`pipelines.dask_runner`). 
 exception on one element is caught there and becomes a rejected row with reason
 ``unexpected_error`` (the dead letter).
 
-The encoded images never cross the shuffle: the spill step parks them in
-per-bundle files under the run's staging folder and the records carry only a
-``(file, offset, length)`` reference, which the shard writer reads back
-(:mod:`pipelines.spill`). A row's shard is a stable hash of its content hash,
-so exact copies of one image meet in the same shard group, and the shard
-writer keeps one of them (the smallest key) while writing.
+Only a short reference per record crosses the shuffle: the spill step parks each
+image and the record's other fields in per-bundle files under the run's staging
+folder and passes on the key, the content hash and where the rest is, which the
+shard writer reads back (:mod:`pipelines.spill`): the runner holds the whole
+shuffle at once, so what crosses it is paid per input in memory. A row's shard
+is a stable hash of its content hash, so exact copies of one image meet in the
+same shard group, and the shard writer keeps one of them (the smallest key)
+while writing.
 
 Counts are reconciled from the pipeline's outputs (quarantine rows, duplicate
 rows, shard row counts) against an independent count of the items read, never
@@ -76,6 +78,9 @@ NAMESPACE = "prepare"
 # Per-row bytes beyond the image (key, hashes, labels, offsets) when sizing shards.
 _ROW_OVERHEAD = 160
 
+
+#: Units per plan chunk (pipelines.ingest.write_plan), and the fewest chunks a large plan is cut into.
+UNITS_PER_CHUNK, MIN_PLAN_CHUNKS = 256, 64
 
 #: Runs of the whole pipeline before an accounting mismatch is an error (see run_prepare).
 MAX_ATTEMPTS = 2
@@ -173,6 +178,36 @@ def _read_unit(unit: Unit, max_bytes: int | None = None, progress_dir: str | Non
     worker_counts.count(progress_dir, units=1)
 
 
+def write_plan(units: list[Unit], url: str) -> list[str]:
+    """Write ``units`` as JSON-lines chunk files under ``url``; returns their paths.
+
+    The pipeline reads its units from these files, so neither its graph (which every Beam
+    worker receives whole) nor the driver holds the plan while the job runs: at 80,000
+    inputs that was 1.5 KB per input in the driver (benchmarks/README.md, issue 24). Enough
+    chunks that every worker gets some; one unit each for a small corpus, as before.
+    """
+    fs, root = _fs(url)
+    fs.makedirs(root, exist_ok=True)
+    count = min(len(units), max(MIN_PLAN_CHUNKS, math.ceil(len(units) / UNITS_PER_CHUNK)))
+    per = math.ceil(len(units) / count)
+    paths = []
+    for i in range(0, len(units), per):
+        path = f"{root}/units-{len(paths):05d}.jsonl"
+        with fs.open(path, "wt") as f:
+            f.writelines(json.dumps(dataclasses.asdict(u)) + "\n" for u in units[i:i + per])
+        paths.append(fs.unstrip_protocol(path))
+    return paths
+
+
+def _plan_chunk(path: bytes) -> Iterator[Unit]:
+    fs, p = _fs(path.decode("utf-8", "surrogateescape"))
+    with fs.open(p, "rt") as f:
+        for line in f:
+            d = json.loads(line)
+            yield Unit(d["kind"], tuple(d["uris"]), tuple(tuple(x) for x in d["labels"]), d["index"],
+                       tuple(d["error"]) if d["error"] else None)
+
+
 def _unit_failed(unit: Unit, exc: BaseException, done: int = 0) -> dict[str, Any]:
     after = f" after {done} item(s); the rest of it is skipped" if done else ""
     return reject(unit.uris[0], "unexpected_error", f"{unit.uris[0]}: reading the source failed{after}: {exc!r}")
@@ -242,19 +277,17 @@ def _match_test_sets(record: dict, index, progress_dir: str | None = None) -> di
     }
 
 
-def _pick_unique(records: Iterable[dict]) -> tuple[list[dict], list[dict]]:
-    """(kept, duplicate rows): one record per content hash, the one with the smallest key."""
-    by_hash: dict[str, list[dict]] = {}
+def _pick_unique(records: Iterable) -> tuple[list, list[tuple]]:
+    """(kept, [(dropped, kept copy)]): one record per content hash, the one with the smallest key."""
+    by_hash: dict[str, list] = {}
     for r in records:
-        by_hash.setdefault(r["content_hash"], []).append(r)
-    kept, dups = [], []
+        by_hash.setdefault(r.content_hash, []).append(r)
+    kept, dropped = [], []
     for copies in by_hash.values():
-        copies.sort(key=lambda r: r["key"])
-        keep = copies[0]
-        kept.append(keep)
-        dups += [{"_t": "duplicate", "key": r["key"], "uri": r["uri"], "cause": "corpus", "duplicate_of": keep["key"]}
-                 for r in copies[1:]]
-    return kept, dups
+        copies.sort(key=lambda r: r.key)
+        kept.append(copies[0])
+        dropped += [(r, copies[0]) for r in copies[1:]]
+    return kept, dropped
 
 
 def _num_shards(total_bytes: int, shard_bytes: float) -> int:
@@ -270,40 +303,40 @@ def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, 
                  progress_dir: str | None = None) -> Iterator[dict]:
     """Write one shard atomically, keeping one record per content hash.
 
-    The records carry their images as ``blob`` references into the run's spill files
-    (:mod:`pipelines.spill`); the images are read back one output batch at a time.
+    The group holds packed :class:`pipelines.spill.Ref` strings; each record's image and
+    fields are read back from the run's spill files one output batch at a time.
     Yields the shard's manifest entry, then a duplicate row for each record dropped.
     """
     from apache_beam.metrics import Metrics
 
-    from pipelines.spill import BLOB, Blobs  # loads apache_beam
+    from pipelines.spill import Blobs, Ref  # loads apache_beam
 
-    index, records = group
-    kept, dups = _pick_unique(records)
-    kept.sort(key=lambda r: r["key"])
+    index, packed = group
+    kept, dropped = _pick_unique(Ref.unpack(r) for r in packed)
+    kept.sort(key=lambda r: r.key)
     name = schema.shard_name(index)
     fs, root = _fs(out_url)
-    # Streamed in batches: besides the grouped records themselves, only one batch of
-    # rows is ever held as Arrow arrays, and the file's bytes are never held whole.
+    # Streamed in batches: besides the refs, only one batch of rows is ever held
+    # as Arrow arrays, and the file's bytes are never held whole.
     with atomic_open(f"{root}/{name}", fs) as f, Blobs(staging_url) as blobs:
         sink = _Digest(f)
         with ipc.new_file(pa.PythonFile(sink, mode="w"), schema.SCHEMA) as writer:
             for start in range(0, len(kept), schema.BATCH_ROWS):
-                batch = kept[start:start + schema.BATCH_ROWS]
-                images = blobs.read_many([r[BLOB] for r in batch])
                 rows = [{
                     schema.KEY: r["key"], schema.IMAGE: image, schema.FORMAT: r["format"],
                     schema.HEIGHT: r["height"], schema.WIDTH: r["width"],
                     schema.LABELS: sorted({label_map[label] for label in r["labels"]}),
                     schema.SOURCE: r["uri"], schema.CONTENT_HASH: r["content_hash"], schema.PHASH: r["phash"],
-                } for r, image in zip(batch, images)]
+                } for image, r in blobs.read_records(kept[start:start + schema.BATCH_ROWS])]
                 writer.write_table(schema.records_to_table(rows))
+        uris = [r["uri"] for _, r in blobs.read_records([d for d, _ in dropped])]
     Metrics.counter(NAMESPACE, "written").inc(len(kept))
     Metrics.counter(NAMESPACE, "bytes_written").inc(sink.size)
-    worker_counts.count(progress_dir, written=len(kept), duplicates=len(dups))
+    worker_counts.count(progress_dir, written=len(kept), duplicates=len(dropped))
     yield {"_t": "shard", "path": name, "rows": len(kept), "bytes": sink.size, "sha256": sink.sha256.hexdigest(),
-           "received": len(kept) + len(dups)}
-    yield from dups
+           "received": len(kept) + len(dropped)}
+    for (d, keep), uri in zip(dropped, uris):
+        yield {"_t": "duplicate", "key": d.key, "uri": uri, "cause": "corpus", "duplicate_of": keep.key}
 
 
 def _write_outputs(rows: list[dict], url: str) -> None:
@@ -327,7 +360,7 @@ def _dask(cfg: PrepareConfig) -> bool:
 
 
 def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, partitions: int | None = None):
-    """Beam options for ``cfg``; on Dask, ``dask_address`` is the scheduler and ``partitions`` the input's units."""
+    """Beam options for ``cfg``; on Dask, ``dask_address`` is the scheduler and ``partitions`` the plan's chunks."""
     from apache_beam.options.pipeline_options import PipelineOptions
 
     if _dask(cfg):
@@ -335,8 +368,8 @@ def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, par
 
         flags = [f"--runner={dask_runner.RUNNER}", f"--dask_client_address={dask_address or cfg.dask_address}"]
         if partitions:
-            # One Dask partition per source unit (16 files, a tar, a shard): Beam's default packs
-            # up to 128 elements per partition, which would give a small corpus one task in all.
+            # One Dask partition per plan chunk (one source unit each for a small corpus): Beam's
+            # default packs up to 128 elements per partition, which would give a small corpus one task.
             flags.append(f"--dask_npartitions={partitions}")
         return PipelineOptions(flags + list(cfg.beam_options))
     flags = [f"--runner={cfg.runner}"]
@@ -374,9 +407,11 @@ def _count_row(pcolls: tuple, name: str, tag: str):
     )
 
 
-def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[str, int] | None,
+def build_pipeline(p, plan: list[str], cfg: PrepareConfig, label_map: Mapping[str, int] | None,
                    index, out_url: str, staging_url: str, progress_dir: str | None = None) -> None:
     """Add the ingest to pipeline ``p``; all small outputs go as JSON lines under ``staging_url``.
+
+    ``plan`` holds the paths of the unit chunks :func:`write_plan` wrote.
 
     Workers add their counts to ``progress_dir`` as they go (:mod:`pipelines.worker_counts`).
     """
@@ -390,8 +425,10 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
     # duplicate or shard row) and Filters split them. Failures are caught per element into
     # rejected rows (reason unexpected_error: the dead letter), never routed by tagged outputs.
     max_bytes = int(cfg.max_file_mb * 1e6)
-    read = p | "Units" >> beam.Create(units) | "Read" >> beam.FlatMap(_read_unit, max_bytes, progress_dir,
-                                                                      cfg.roots())
+    # As bytes: an output folder's name need not be UTF-8, which Beam's str coder requires.
+    chunks = [path.encode("utf-8", "surrogateescape") for path in plan]
+    units = p | "Plan" >> beam.Create(chunks) | "Units" >> beam.FlatMap(_plan_chunk)
+    read = units | "Read" >> beam.FlatMap(_read_unit, max_bytes, progress_dir, cfg.roots())
     inputs = _count_row((read,), "Inputs", "inputs")
     read_kinds = _split(read, "Read", ("item", "rejected"))
 
@@ -416,10 +453,9 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
         records = matched_kinds["record"]
         dup_parts.append(matched_kinds["duplicate"])
 
-    # From here on only metadata travels: the images wait in staging files (pipelines/spill.py).
-    from pipelines.spill import SpillImages
-
-    records = records | "SpillImages" >> beam.ParDo(SpillImages(staging_url))
+    # From here on only a packed Ref per record travels: its image and fields wait in staging
+    # files (pipelines/spill.py), since the runner holds everything in the shuffle at once.
+    from pipelines.spill import Ref, SpillRecords
 
     if label_map is not None:
         labels_pc = p | "GivenLabels" >> beam.Create([dict(label_map)])
@@ -433,18 +469,19 @@ def build_pipeline(p, units: list[Unit], cfg: PrepareConfig, label_map: Mapping[
             | "SortLabels" >> beam.combiners.ToList()
             | "LabelIds" >> beam.Map(lambda names: {n: i for i, n in enumerate(sorted(names))})
         )
+    refs = records | "SpillRecords" >> beam.ParDo(SpillRecords(staging_url))
     # Counted again where the records enter the shuffle, so that a mismatch in the
     # accounting says on which side of it items went missing.
-    to_shards = _count_row((records,), "Records", "records")
+    to_shards = _count_row((refs,), "Records", "records")
     num_shards = (
-        records
-        | "RowBytes" >> beam.Map(lambda r: r["blob"][2] + _ROW_OVERHEAD)
+        refs
+        | "RowBytes" >> beam.Map(lambda r: Ref.unpack(r).blob[2] + _ROW_OVERHEAD)
         | "TotalBytes" >> beam.CombineGlobally(sum)
         | "NumShards" >> beam.Map(_num_shards, shard_bytes)
     )
     written = (
-        records
-        | "AssignShard" >> beam.Map(lambda r, n: (shard_of(r["content_hash"], n), r), AsSingleton(num_shards))
+        refs
+        | "AssignShard" >> beam.Map(lambda r, n: (shard_of(Ref.unpack(r).content_hash, n), r), AsSingleton(num_shards))
         | "GroupShard" >> beam.GroupByKey()
         | "WriteShard" >> beam.FlatMap(_write_shard, out_url, staging_url, AsSingleton(labels_pc),
                                                 progress_dir)
@@ -614,6 +651,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             tracking.start_run("prepare", params=params, parent_run_id=cfg.parent_run_id,
                                run_name=f"prepare {_set_name(cfg.output)}", tags=tracking.run_tags(cfg)) as run:
         _clean_leftovers(fs, root)
+        plan_dir = f"{root}/.staging-plan-{uuid.uuid4().hex}"
+        plan = write_plan(units, fs.unstrip_protocol(plan_dir))
+        n_units, known = len(units), worker_counts.known_inputs(units)
+        del units
         index = None
         if test_sets:
             from pipelines.testsets import build_test_set_index
@@ -628,16 +669,15 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             staging = f"{root}/.staging-{uuid.uuid4().hex}"
             fs.makedirs(f"{staging}/shards", exist_ok=True)
-            options = pipeline_options(run_cfg, dask_address=engine.address, partitions=len(units))
+            options = pipeline_options(run_cfg, dask_address=engine.address, partitions=len(plan))
             channel = worker_counts.channel_dir(staging, fs)
             line = ProgressLine("prepare")
-            watch = IngestProgress(line, worker_counts.Totals(channel).poll if channel else None, len(units),
-                                   worker_counts.known_inputs(units))
+            watch = IngestProgress(line, worker_counts.Totals(channel).poll if channel else None, n_units, known)
             try:
                 with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0), \
                         interrupts(local_runner.stop_sdk_workers):
                     with beam.Pipeline(options=options) as p:
-                        build_pipeline(p, units, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
+                        build_pipeline(p, plan, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
                                        fs.unstrip_protocol(staging), channel)
                 watch.finish()
             except KeyboardInterrupt as exc:
@@ -678,6 +718,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                     {schema.QUARANTINE: _jsonl(quarantine), schema.DUPLICATES: _jsonl(duplicates)})
         # With it go the temporary files of workers killed while writing a shard (the task ran again elsewhere).
         fs.rm(staging, recursive=True)
+        fs.rm(plan_dir, recursive=True)
         written = schema.shard_set_record(out_url)
         tracking.set_tags({tracking.TAG_OUTPUT_MANIFEST: written["manifest_sha256"],
                            tracking.TAG_DEDUP_STATE: written["dedup_state"]})

@@ -54,3 +54,15 @@ def test_direct_runner_check_runs_with_prepares_setting():
                          capture_output=True, text=True, timeout=300, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["as_prepare"] and report["elements_per_run"] == 64 and report["lost_per_run"] == [0]
+
+
+def test_ingest_scale_benchmark_reports_the_slope_per_input_last(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ingest_scale.py"), "--sizes", "20,40",
+                          "--size", "64", "--workers", "1", "--keep", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["benchmark"] == "ingest_scale" and report["figure"] == "slope_kb_per_input"
+    assert [s["written"] for s in report["sizes"].values()] == [20, 40]
+    assert all(s["peak_rss_mb"] >= s["peak_rss_mb_by_process"]["driver"] > 0 for s in report["sizes"].values())
+    assert "slope_kb_per_input" in report and "extrapolated_imagenet_gb" in report
+    assert report["baseline"]["slope_kb_per_input"] == 15.0  # the figure, before the change

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from pipelines.spill import BLOB, DIR, Blobs, SpillImages
+from pipelines.spill import BLOB, DIR, Blobs, Ref, SpillImages, SpillRecords
 
 
 def _spill(staging: str, images: list[bytes], bundles: int) -> list[dict]:
@@ -54,3 +54,19 @@ def test_memory_filesystem(tmp_path):
     records = _spill("memory://spill-test/staging", images, bundles=1)
     with Blobs("memory://spill-test/staging") as blobs:
         assert blobs.read_many([r[BLOB] for r in records]) == images
+
+
+def test_a_record_comes_back_whole_from_the_ref_that_crosses_the_shuffle(tmp_path):
+    fn = SpillRecords(str(tmp_path))
+    fn.setup()
+    fn.start_bundle()
+    record = {"_t": "record", "key": "0a1b", "content_hash": "ff" * 32, "uri": "/data/caf\udce9/x.jpg",
+              "labels": ("cat", "pet"), "format": "jpeg", "height": 3, "width": 4, "phash": bytes(range(112)),
+              "image": os.urandom(5000)}
+    [packed] = list(fn.process(dict(record)))
+    fn.finish_bundle()
+    assert isinstance(packed, str) and len(packed) < 160  # what the runner holds per record
+    with Blobs(str(tmp_path)) as blobs:
+        [(image, fields)] = blobs.read_records([Ref.unpack(packed)])
+    assert image == record["image"]
+    assert fields == {**{k: v for k, v in record.items() if k != "image"}, "labels": ["cat", "pet"]}

@@ -1,0 +1,271 @@
+"""Ingest memory and throughput against corpus size: ``jobs/prepare.py`` on 5k, 20k and 80k photo crops.
+
+The question (issue 24) is how far one machine carries the embedded default: does the peak
+memory of the job grow with the number of inputs, and does the rate hold? Each corpus is N
+distinct crops of the bundled photographs (:mod:`common.photos`, enlarged so that a box of
+320-640 px on a side fits, JPEG quality 90), one folder per source photograph; the smaller
+corpora are hard links to the first files of the largest, so every run reads the same bytes.
+
+``prepare`` runs as a subprocess (the real entrypoint, ``--size 256``), once per size, and a
+sampler reads the resident set of its whole process tree (the driver, the Beam workers or the
+Dask cluster) every 0.5 s with psutil. Per size: the wall time, the peak of the tree and the
+peak of each kind of process. Between sizes: the marginal rate, the extra inputs over the
+extra seconds (start-up cancels). Over the sizes: the growth of the peak with
+the inputs, in KB per input, between the two largest sizes (see :func:`summarise`), and the peak
+it extrapolates to for 1.28M inputs (ImageNet-1k).
+
+``--baseline-repo DIR`` runs the same sizes with another checkout's ``jobs/prepare.py`` and
+code (for example main before a change), in the same session and under the same load.
+
+    python benchmarks/ingest_scale.py [--sizes 5000,20000,80000] [--runner direct|dask] [--workers 2]
+                                      [--baseline-repo /path/to/checkout] [--keep DIR]
+
+The last line printed is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import machine  # noqa: E402
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+from PIL import Image  # noqa: E402
+
+IMAGENET = 1_281_167
+# The issue's measurement, before the change: jobs/prepare.py --size 256 --workers 2, DirectRunner.
+ISSUE_BEFORE = {"sizes": {"5000": {"wall_s": 36, "peak_rss_mb": 1490}, "20000": {"peak_rss_mb": 1750},
+                          "40000": {"wall_s": 158, "peak_rss_mb": 2000}},
+                "slope_kb_per_input": 15.0, "extrapolated_imagenet_gb": 20.0}
+
+
+def _bases(min_side: int = 720) -> list[Image.Image]:
+    from common.photos import ALL, photo
+
+    out = []
+    for name in ALL:
+        img = photo(name)
+        scale = max(1.0, min_side / min(img.size))
+        out.append(img.resize((round(img.width * scale), round(img.height * scale)), Image.Resampling.BICUBIC))
+    return out
+
+
+def write_crops(folder: Path, n: int, seed: int = 0) -> list[Path]:
+    """``n`` distinct JPEG crops, 320-640 px a side, of the bundled photographs; one folder per photograph."""
+    rng = np.random.default_rng(seed)
+    bases = _bases()
+    paths = []
+    for i in range(n):
+        b = i % len(bases)
+        img = bases[b]
+        w, h = (int(v) for v in rng.integers(320, 641, 2))
+        w, h = min(w, img.width), min(h, img.height)
+        x, y = int(rng.integers(0, img.width - w + 1)), int(rng.integers(0, img.height - h + 1))
+        path = folder / f"photo{b:02d}" / f"{i:07d}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        img.crop((x, y, x + w, y + h)).save(path, "JPEG", quality=90)
+        paths.append(path)
+    return paths
+
+
+def link_subset(paths: list[Path], folder: Path) -> Path:
+    for p in paths:
+        (folder / p.parent.name).mkdir(parents=True, exist_ok=True)
+        os.link(p, folder / p.parent.name / p.name)
+    return folder
+
+
+def _role(proc: psutil.Process, root_pid: int) -> str:
+    if proc.pid == root_pid:
+        return "driver"
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return "other"
+    if "sdk_worker" in cmd or "worker_pool" in cmd:
+        return "beam_worker"
+    if "distributed" in cmd or "dask" in cmd or "multiprocessing" in cmd:
+        return "dask"
+    return "other"
+
+
+class TreeSampler:
+    """The peak resident set of a process and all its descendants, and per kind of process."""
+
+    def __init__(self, pid: int, every: float = 0.5):
+        self.pid, self.every = pid, every
+        self.peak = 0
+        self.by_role: dict[str, int] = {}
+        self.trace: list[tuple[float, dict[str, int]]] = []  # (seconds, MB by kind of process)
+        self._t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        try:
+            root = psutil.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        total, roles = 0, {}
+        for p in procs:
+            try:
+                rss = p.memory_info().rss
+            except psutil.Error:
+                continue
+            total += rss
+            role = _role(p, self.pid)
+            roles[role] = roles.get(role, 0) + rss
+        self.peak = max(self.peak, total)
+        self.trace.append((round(time.perf_counter() - self._t0, 1), {k: v >> 20 for k, v in roles.items()}))
+        for role, rss in roles.items():
+            self.by_role[role] = max(self.by_role.get(role, 0), rss)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> "TreeSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_prepare(repo: Path, inputs: Path, output: Path, home: Path, runner: str, workers: int,
+                size: int, trace: Path | None = None) -> dict:
+    env = dict(os.environ, VITSCALE_HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
+    env.pop("MLFLOW_TRACKING_URI", None)
+    cmd = [sys.executable, str(repo / "jobs" / "prepare.py"), "--input", str(inputs), "--output", str(output),
+           "--workers", str(workers), "--runner", runner, "--size", str(size)]
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with TreeSampler(proc.pid) as sampler:
+        out, err = proc.communicate()
+    wall = time.perf_counter() - t
+    if trace is not None:
+        trace.write_text("".join(json.dumps({"t": t, **mb}) + "\n" for t, mb in sampler.trace))
+    if proc.returncode:
+        raise SystemExit(f"prepare failed ({proc.returncode}) on {inputs}:\n{err[-3000:]}")
+    manifest = json.loads((output / "manifest.json").read_text())
+    return {"wall_s": round(wall, 1), "peak_rss_mb": round(sampler.peak / 2**20),
+            "peak_rss_mb_by_process": {k: round(v / 2**20) for k, v in sorted(sampler.by_role.items())},
+            "written": manifest["counts"]["written"], "shards": len(manifest["shards"]),
+            "shard_sha256": [s["sha256"] for s in manifest["shards"]]}
+
+
+def summarise(runs: dict[int, dict]) -> dict:
+    """Rates between sizes, and the peak's growth per input between the two largest sizes.
+
+    The slope is taken between the two largest sizes, not fitted through all of them: a
+    corpus of fewer shards than workers has fewer shard writers running at once, and each
+    holds a batch of images, so the first sizes mix that step into the per-input cost. The
+    fit over every size is given too.
+    """
+    sizes = sorted(runs)
+    peak = np.array([runs[s]["peak_rss_mb"] for s in sizes], float)
+    marginal = {f"{a}-{b}": round((b - a) / max(runs[b]["wall_s"] - runs[a]["wall_s"], 1e-9), 1)
+                for a, b in zip(sizes, sizes[1:])}
+    rates = list(marginal.values())
+    out = {
+        "sizes": {str(s): {k: v for k, v in runs[s].items() if k != "shard_sha256"} for s in sizes},
+        "marginal_img_s": marginal,
+        "marginal_last_over_first": round(rates[-1] / rates[0], 2) if len(rates) > 1 else None,
+    }
+    if len(sizes) > 1:
+        (a, b), (pa_, pb) = sizes[-2:], peak[-2:]
+        slope = float(pb - pa_) / (b - a)  # MB per input
+        fit = float(np.polyfit(np.array(sizes, float), peak, 1)[0])
+        out.update({
+            "slope_kb_per_input": round(slope * 1024, 2),
+            "slope_kb_per_input_fit_all_sizes": round(fit * 1024, 2),
+            "extrapolated_imagenet_gb": round((float(pb) + slope * (IMAGENET - b)) / 1024, 2),
+        })
+    return out
+
+
+def measure(repo: Path, corpora: dict[int, Path], tmp: Path, runner: str, workers: int, size: int,
+            tag: str, traces: Path | None = None) -> dict[int, dict]:
+    runs = {}
+    for n, folder in corpora.items():
+        out = tmp / f"out-{tag}-{n}"
+        trace = traces / f"{tag}-{runner}-{n}.jsonl" if traces else None
+        runs[n] = run_prepare(repo, folder, out, tmp / "mlruns", runner, workers, size, trace)
+        print(f"{tag} {runner} {n}: {json.dumps(runs[n])}", file=sys.stderr, flush=True)
+        shutil.rmtree(out)
+    return runs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="5000,20000,80000", help="corpus sizes, comma-separated")
+    ap.add_argument("--runner", choices=("direct", "dask"), default="direct")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--size", type=int, default=256, help="prepare --size")
+    ap.add_argument("--baseline-repo", type=Path, default=None,
+                    help="also run this checkout's prepare on the same corpora (the code before a change)")
+    ap.add_argument("--traces", type=Path, default=None,
+                    help="write each run's resident set over time (MB by kind of process, every 0.5 s) here")
+    ap.add_argument("--keep", type=Path, default=None, help="generate the corpora here and keep them (reused)")
+    args = ap.parse_args()
+    sizes = sorted(int(s) for s in args.sizes.split(","))
+    runner = "DirectRunner" if args.runner == "direct" else "dask"
+
+    with tempfile.TemporaryDirectory(prefix="vitscale-ingest-scale-") as tmp:
+        tmp = Path(tmp)
+        root = args.keep or tmp / "corpus"
+        all_dir = root / f"all-{sizes[-1]}"
+        t = time.perf_counter()
+        if not all_dir.is_dir():
+            part = root / f".partial-{os.getpid()}"
+            write_crops(part, sizes[-1])
+            part.rename(all_dir)
+        paths = sorted(all_dir.rglob("*.jpg"), key=lambda p: p.name)
+        corpora = {}
+        for n in sizes:
+            folder = root / f"n{n}" if n != sizes[-1] else all_dir
+            if not folder.is_dir():
+                link_subset(paths[:n], root / f".partial-{n}")
+                (root / f".partial-{n}").rename(folder)
+            corpora[n] = folder
+        gen_s = time.perf_counter() - t
+        print(f"corpora ready in {gen_s:.0f} s", file=sys.stderr, flush=True)
+
+        ours = measure(REPO, corpora, tmp, runner, args.workers, args.size, "this", args.traces)
+        result = {
+            "benchmark": "ingest_scale",
+            "figure": "slope_kb_per_input",
+            "runner": args.runner,
+            "workers": args.workers,
+            "size": args.size,
+            **summarise(ours),
+        }
+        if args.baseline_repo:
+            before = measure(args.baseline_repo.resolve(), corpora, tmp, runner, args.workers, args.size, "baseline",
+                             args.traces)
+            result["baseline"] = {"repo": str(args.baseline_repo), **summarise(before)}
+            result["same_shards_as_baseline"] = all(ours[n]["shard_sha256"] == before[n]["shard_sha256"]
+                                                   for n in sizes)
+        else:
+            result["baseline"] = {"source": "issue 24, measured before the change", **ISSUE_BEFORE}
+    result["machine"] = machine.describe()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
