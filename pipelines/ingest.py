@@ -676,7 +676,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             try:
                 with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0), \
                         interrupts(local_runner.stop_sdk_workers):
-                    with beam.Pipeline(options=options) as p:
+                    runner = local_runner.direct_runner(options) if _direct(run_cfg) else None
+                    with beam.Pipeline(runner=runner, options=options) as p:
                         build_pipeline(p, plan, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
                                        fs.unstrip_protocol(staging), channel)
                 watch.finish()

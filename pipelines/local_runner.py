@@ -73,6 +73,25 @@ class _LoopbackGrpc:
         return getattr(self._grpc, name)
 
 
+def direct_runner(options):
+    """Beam's DirectRunner without its attempt at Prism: the FnApiRunner, set up as the DirectRunner sets it up.
+
+    Beam 2.77's ``DirectRunner`` first tries ``PrismRunner``, which downloads a binary
+    from GitHub when none is cached. Offline that fails and it falls back to the
+    FnApiRunner, leaving an empty ``beam-temp*`` folder in the temp dir each run; online
+    the ingest would run on Prism, which none of this module's fixes or the tests cover.
+    The provision info carries the pipeline options to the SDK workers, as the
+    DirectRunner's fallback does (:data:`QUIET_WORKER_FLAGS` reach them that way).
+    """
+    from apache_beam.portability.api import beam_provision_api_pb2
+    from apache_beam.runners.portability.fn_api_runner import fn_runner
+    from apache_beam.runners.portability.portable_runner import JobServiceHandle
+
+    encoded = JobServiceHandle.encode_pipeline_options(options.get_all_options())
+    return fn_runner.FnApiRunner(provision_info=fn_runner.ExtendedProvisionInfo(
+        beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)))
+
+
 def flush_by_size_only() -> None:
     """Turn off the DirectRunner's time-based data flushing, which drops elements (idempotent)."""
     from apache_beam.runners.portability.fn_api_runner import worker_handlers

@@ -1,4 +1,5 @@
 """The DirectRunner's multi-worker modes: no time-based flush race, loopback servers, quiet workers."""
+import os
 import pathlib
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 
 from pipelines.config import PrepareConfig
 from pipelines.ingest import pipeline_options
-from pipelines.local_runner import loopback_address
+from pipelines.local_runner import direct_runner, loopback_address
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -41,7 +42,7 @@ def test_multi_worker_direct_runner_listens_on_loopback_only(tmp_path, tcp_liste
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        with beam.Pipeline(options=opts) as p:
+        with beam.Pipeline(runner=direct_runner(opts), options=opts) as p:
             _ = p | beam.Create(range(4)) | beam.Map(lambda x: time.sleep(0.3) or x)
     finally:
         done.set()
@@ -58,6 +59,7 @@ def test_workers_keep_quiet_but_project_warnings_get_through(tmp_path):
         import apache_beam as beam
         from pipelines.config import PrepareConfig
         from pipelines.ingest import pipeline_options
+        from pipelines.local_runner import direct_runner
 
         def probe(x):
             logging.getLogger("pipelines.probe").warning("project-warning-%d", x)
@@ -65,7 +67,7 @@ def test_workers_keep_quiet_but_project_warnings_get_through(tmp_path):
             return x
 
         opts = pipeline_options(PrepareConfig(input=[{str(tmp_path)!r}], output={str(tmp_path / "o")!r}, workers=2))
-        with beam.Pipeline(options=opts) as p:
+        with beam.Pipeline(runner=direct_runner(opts), options=opts) as p:
             _ = p | beam.Create([7]) | beam.Map(probe)
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=True)
@@ -132,3 +134,20 @@ def test_multi_worker_options_turn_off_the_time_based_flush(tmp_path):
     # What the runner's data servicer and its embedded workers now build for each stream.
     stream = ClosableOutputStream.create(None, None, worker_handlers.DATA_BUFFER_TIME_LIMIT_MS)
     assert type(stream) is SizeBasedBufferingClosableOutputStream
+
+
+def test_the_ingest_runs_on_the_fn_api_runner_without_trying_prism(tmp_path, photos):
+    # Beam 2.77's DirectRunner tries PrismRunner first, which downloads a binary when online
+    # and, offline, leaves an empty beam-temp* folder in the temp dir on every run.
+    src, tmp = tmp_path / "src" / "a", tmp_path / "tmp"
+    src.mkdir(parents=True)
+    tmp.mkdir()
+    for name in sorted(photos)[:2]:
+        photos[name].convert("RGB").resize((64, 64)).save(src / f"{pathlib.Path(name).stem}.png")
+    for workers in ("1", "2"):
+        out = subprocess.run([sys.executable, str(ROOT / "jobs" / "prepare.py"), "--input", str(src.parent),
+                              "--output", str(tmp_path / f"out{workers}"), "--size", "32", "--workers", workers],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT,
+                             env={**os.environ, "TMPDIR": str(tmp), "VITSCALE_HOME": str(tmp_path / "home")})
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert not list(tmp.glob("beam-temp*")), workers
