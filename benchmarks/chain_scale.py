@@ -5,9 +5,9 @@ corpus. Per corpus size this ingests N photo crops (the corpora of ``ingest_scal
 same ``prepare --size 256`` on the DirectRunner), then runs on that shard set, each as a
 subprocess whose whole process tree is sampled every 0.5 s:
 
-- ``jobs/dedup.py`` against one test set of ``--test-size`` images: crops of the same
-  photographs from another random stream, and ``--planted`` re-encoded, 90 %-scaled copies of
-  corpus images (drawn from the smallest corpus, so every size holds them) for the dedup to find;
+- ``jobs/dedup.py`` against one test set of ``--test-size`` images: procedural colour fields
+  (not crops: those the near-duplicate rule matches), and ``--planted`` re-encoded, 90 %-scaled
+  copies of corpus images (drawn from the smallest corpus, so every size holds them) to find;
 - ``jobs/pretrain.py --config configs/pretrain-demo-tiny.yaml`` (a 4-block Ti/8 at 32 px, two
   Ray workers) for one epoch, or ``--pretrain-steps`` optimiser steps;
 - a ``ShardSet`` probe: open, the first row (which verifies the shard's sha256), then
@@ -41,15 +41,34 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import ingest_scale  # noqa: E402
 import machine  # noqa: E402
+import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 from PIL import Image  # noqa: E402
 
 PRETRAIN_CONFIG = REPO / "configs" / "pretrain-demo-tiny.yaml"
 
 
+def write_textures(folder: Path, n: int, seed: int = 1) -> None:
+    """``n`` procedural JPEGs, 160-400 px: smooth colour fields with grain, unlike any photograph.
+
+    Not crops of the corpus's photographs: the near-duplicate rule matches crops, so a
+    crop of the same photograph is a duplicate (a first run found 94 % of the corpus in such
+    a test set).
+    """
+    rng = np.random.default_rng(seed)
+    out = folder / "fresh"
+    out.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        w, h = (int(v) for v in rng.integers(160, 401, 2))
+        cells = rng.integers(0, 256, (int(rng.integers(3, 12)), int(rng.integers(3, 12)), 3), dtype=np.uint8)
+        field = np.asarray(Image.fromarray(cells).resize((w, h), Image.Resampling.BICUBIC), np.float32)
+        grain = rng.normal(0, 12, field.shape)
+        Image.fromarray(np.clip(field + grain, 0, 255).astype(np.uint8)).save(out / f"{i:07d}.jpg", "JPEG", quality=90)
+
+
 def make_test_set(folder: Path, corpus: list[Path], n: int, planted: int, seed: int = 1) -> Path:
-    """``n - planted`` fresh crops (another seed than the corpus) and ``planted`` near-copies of ``corpus`` files."""
-    ingest_scale.write_crops(folder / "fresh", n - planted, seed=seed)
+    """``n - planted`` procedural images and ``planted`` near-copies (90 %, JPEG q75) of ``corpus`` files."""
+    write_textures(folder, n - planted, seed=seed)
     for p in random.Random(seed).sample(corpus, planted):
         img = Image.open(p).convert("RGB")
         out = folder / "planted" / p.name
@@ -157,7 +176,7 @@ def main() -> None:
         tmp = Path(tmp)
         root = args.keep or tmp / "corpus"
         corpora = ingest_scale.make_corpora(root, sizes)
-        test_set = root / f"test-{args.test_size}-{args.planted}"
+        test_set = root / f"textures-{args.test_size}-{args.planted}"
         if not test_set.is_dir():
             part = root / f".partial-test-{os.getpid()}"
             make_test_set(part, sorted(corpora[sizes[0]].rglob("*.jpg")), args.test_size, args.planted)
