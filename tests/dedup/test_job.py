@@ -98,3 +98,16 @@ def test_job_rebuilds_an_index_saved_under_other_crop_variants(corpus, monkeypat
     assert "delete" not in line  # it used to tell the user to do what it was doing
     assert summary["test_images"]["set_a"] == 2
     assert json.loads(manifest_path.read_text())["crop_variants"] != manifest["crop_variants"]
+
+
+def test_the_report_keeps_only_the_audited_test_images(tmp_path, photos):
+    # A 10k-image test set held every decoded image for 16 audited pairs: gigabytes (benchmarks/README.md).
+    from dedup.job import _test_loader
+    from pipelines.testsets import iter_images
+
+    for name in ("astronaut.png", "chelsea.png", "coffee.png"):
+        photos[name].save(tmp_path / name)
+    keys = sorted(it.key for it in iter_images(str(tmp_path)))
+    load = _test_loader({"t": str(tmp_path)}, {("t", keys[0])})
+    assert load("t", keys[0]) is not None
+    assert load("t", keys[1]) is None and load("other", keys[0]) is None
