@@ -87,6 +87,24 @@ def link_subset(paths: list[Path], folder: Path) -> Path:
     return folder
 
 
+def make_corpora(root: Path, sizes: list[int]) -> dict[int, Path]:
+    """One folder per size under ``root``: the largest written once, the others hard links to its first files."""
+    all_dir = root / f"all-{max(sizes)}"
+    if not all_dir.is_dir():
+        part = root / f".partial-{os.getpid()}"
+        write_crops(part, max(sizes))
+        part.rename(all_dir)
+    paths = sorted(all_dir.rglob("*.jpg"), key=lambda p: p.name)
+    corpora = {}
+    for n in sorted(sizes):
+        folder = root / f"n{n}" if n != max(sizes) else all_dir
+        if not folder.is_dir():
+            link_subset(paths[:n], root / f".partial-{n}")
+            (root / f".partial-{n}").rename(folder)
+        corpora[n] = folder
+    return corpora
+
+
 def _role(proc: psutil.Process, root_pid: int) -> str:
     if proc.pid == root_pid:
         return "driver"
@@ -147,12 +165,18 @@ class TreeSampler:
         self._thread.join()
 
 
-def run_prepare(repo: Path, inputs: Path, output: Path, home: Path, runner: str, workers: int,
-                size: int, trace: Path | None = None) -> dict:
+def job_env(repo: Path, home: Path) -> dict[str, str]:
+    """The environment a measured job runs in: ``repo``'s code, a private VITSCALE_HOME, one BLAS thread."""
     env = dict(os.environ, VITSCALE_HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=str(repo))
     env.pop("MLFLOW_TRACKING_URI", None)
-    cmd = [sys.executable, str(repo / "jobs" / "prepare.py"), "--input", str(inputs), "--output", str(output),
-           "--workers", str(workers), "--runner", runner, "--size", str(size)]
+    return env
+
+
+def run_sampled(cmd: list[str], env: dict[str, str], trace: Path | None = None) -> tuple[str, float, TreeSampler]:
+    """Run ``cmd`` to its end while sampling its process tree: its stdout, the wall seconds and the sampler.
+
+    A failed command ends the benchmark with its stderr's tail.
+    """
     t = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     with TreeSampler(proc.pid) as sampler:
@@ -161,10 +185,22 @@ def run_prepare(repo: Path, inputs: Path, output: Path, home: Path, runner: str,
     if trace is not None:
         trace.write_text("".join(json.dumps({"t": t, **mb}) + "\n" for t, mb in sampler.trace))
     if proc.returncode:
-        raise SystemExit(f"prepare failed ({proc.returncode}) on {inputs}:\n{err[-3000:]}")
+        raise SystemExit(f"{Path(cmd[1]).name} failed ({proc.returncode}): {' '.join(cmd[2:])}\n{err[-3000:]}")
+    return out, wall, sampler
+
+
+def peaks(sampler: TreeSampler) -> dict:
+    return {"peak_rss_mb": round(sampler.peak / 2**20),
+            "peak_rss_mb_by_process": {k: round(v / 2**20) for k, v in sorted(sampler.by_role.items())}}
+
+
+def run_prepare(repo: Path, inputs: Path, output: Path, home: Path, runner: str, workers: int,
+                size: int, trace: Path | None = None) -> dict:
+    cmd = [sys.executable, str(repo / "jobs" / "prepare.py"), "--input", str(inputs), "--output", str(output),
+           "--workers", str(workers), "--runner", runner, "--size", str(size)]
+    _, wall, sampler = run_sampled(cmd, job_env(repo, home), trace)
     manifest = json.loads((output / "manifest.json").read_text())
-    return {"wall_s": round(wall, 1), "peak_rss_mb": round(sampler.peak / 2**20),
-            "peak_rss_mb_by_process": {k: round(v / 2**20) for k, v in sorted(sampler.by_role.items())},
+    return {"wall_s": round(wall, 1), **peaks(sampler),
             "written": manifest["counts"]["written"], "shards": len(manifest["shards"]),
             "shard_sha256": [s["sha256"] for s in manifest["shards"]]}
 
@@ -228,21 +264,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="vitscale-ingest-scale-") as tmp:
         tmp = Path(tmp)
-        root = args.keep or tmp / "corpus"
-        all_dir = root / f"all-{sizes[-1]}"
         t = time.perf_counter()
-        if not all_dir.is_dir():
-            part = root / f".partial-{os.getpid()}"
-            write_crops(part, sizes[-1])
-            part.rename(all_dir)
-        paths = sorted(all_dir.rglob("*.jpg"), key=lambda p: p.name)
-        corpora = {}
-        for n in sizes:
-            folder = root / f"n{n}" if n != sizes[-1] else all_dir
-            if not folder.is_dir():
-                link_subset(paths[:n], root / f".partial-{n}")
-                (root / f".partial-{n}").rename(folder)
-            corpora[n] = folder
+        corpora = make_corpora(args.keep or tmp / "corpus", sizes)
         gen_s = time.perf_counter() - t
         print(f"corpora ready in {gen_s:.0f} s", file=sys.stderr, flush=True)
 

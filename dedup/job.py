@@ -17,7 +17,7 @@ from common.config import check
 from common.jobenv import durable_path
 from dedup.rescan import rescan
 from neardup.index import IndexOutdated, TestSetIndex
-from neardup.report import write_report
+from neardup.report import pick_for_audit, write_report
 from pipelines.config import parse_test_sets
 from pipelines.schema import MANIFEST, ShardSet, decode_row_image, shard_set_record
 from pipelines.testsets import build_test_set_index, check_sources, iter_images
@@ -76,14 +76,16 @@ def _corpus_loader(shard_dir: Path, keys: set[str]):
     return load
 
 
-def _test_loader(index: TestSetIndex, sources: dict[str, str]):
+def _test_loader(sources: dict[str, str], wanted: set[tuple[str, str]]):
+    # Only the audited images are kept: holding every decoded test image took gigabytes for a 10k test set.
     cache: dict[str, dict[str, Image.Image]] = {}
 
     def load(test_set: str, key: str) -> Image.Image | None:
         if test_set not in sources:
             return None
         if test_set not in cache:
-            cache[test_set] = {it.key: it.image for it in iter_images(sources[test_set]) if it.image is not None}
+            cache[test_set] = {it.key: it.image for it in iter_images(sources[test_set])
+                               if it.image is not None and (test_set, it.key) in wanted}
         return cache[test_set].get(key)
     return load
 
@@ -128,10 +130,12 @@ def run(cfg: DedupConfig) -> dict:
         if index.quarantine:
             tracking.log_dict([dataclasses.asdict(q) for q in index.quarantine], "test_set_quarantine.json")
         if not result.nothing_new:
+            # The loaders keep the pixels of the audited pairs only, not of every match (memory grew with them).
+            audited = [m for group in pick_for_audit(result.new_matches) for m in group]
             paths = write_report(report_dir, result.new_matches, test_images=index.counts(),
                                  corpus_images=int(num_rows if num_rows is not None else result.rows_scanned),
-                                 threshold=index.threshold, load_corpus=_corpus_loader(shard_dir, {m["key"] for m in result.new_matches}),
-                                 load_test=_test_loader(index, sources))
+                                 threshold=index.threshold, load_corpus=_corpus_loader(shard_dir, {m["key"] for m in audited}),
+                                 load_test=_test_loader(sources, {(m["test_set"], m["matched_key"]) for m in audited}))
             for p in paths.values():
                 tracking.log_artifact(p, "dedup_report")
             summary["report_dir"] = str(report_dir)

@@ -141,3 +141,16 @@ def test_codes_of_another_signature_version_are_recomputed_from_the_stored_image
     trusted = _copy_with_codes(corpus / "shards", tmp_path / "now", zero_codes=True,
                                signature_version=SIGNATURE_VERSION)
     assert run(DedupConfig(shards=str(trusted), test_set=[f"set_a={corpus / 'set_a'}"]))["new_removals"] == 0
+
+
+def test_the_report_keeps_only_the_audited_test_images(tmp_path, photos):
+    # A 10k-image test set held every decoded image for 16 audited pairs: gigabytes (benchmarks/README.md).
+    from dedup.job import _test_loader
+    from pipelines.testsets import iter_images
+
+    for name in ("astronaut.png", "chelsea.png", "coffee.png"):
+        photos[name].save(tmp_path / name)
+    keys = sorted(it.key for it in iter_images(str(tmp_path)))
+    load = _test_loader({"t": str(tmp_path)}, {("t", keys[0])})
+    assert load("t", keys[0]) is not None
+    assert load("t", keys[1]) is None and load("other", keys[0]) is None

@@ -66,3 +66,21 @@ def test_ingest_scale_benchmark_reports_the_slope_per_input_last(tmp_path):
     assert all(s["peak_rss_mb"] >= s["peak_rss_mb_by_process"]["driver"] > 0 for s in report["sizes"].values())
     assert "slope_kb_per_input" in report and "extrapolated_imagenet_gb" in report
     assert report["baseline"]["slope_kb_per_input"] == 15.0  # the figure, before the change
+
+
+def test_chain_scale_benchmark_runs_dedup_pretrain_and_reads_after_the_ingest(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "chain_scale.py"), "--sizes", "150,300",
+                          "--test-size", "40", "--planted", "4", "--pretrain-steps", "2", "--size", "64",
+                          "--workers", "1", "--rows", "50", "--keep", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["benchmark"] == "chain_scale" and set(report["sizes"]) == {"150", "300"}
+    for n, run in report["sizes"].items():
+        assert run["ingest"]["written"] == run["dedup"]["rows_scanned"] == int(n)
+        assert run["dedup"]["test_images"] == {"test": 40}
+        assert run["dedup"]["planted_found"] == 4  # every planted near-copy is found, at both sizes
+        assert run["pretrain"]["steps"] == 2
+        # The probe reads the set as dedup left it: the removed rows are gone.
+        assert run["shardset"]["rows"] == int(n) - run["dedup"]["removed"]
+        assert all(run[step]["peak_rss_mb"] > 0 for step in ("ingest", "dedup", "pretrain", "shardset"))
+    assert set(report["growth_kb_per_input"]) == {"ingest", "dedup", "pretrain", "shardset"}
