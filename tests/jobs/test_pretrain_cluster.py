@@ -335,7 +335,12 @@ def test_a_head_started_as_local_cluster_sh_does_listens_on_loopback_only(free_p
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         wait_for_dashboard(f"http://127.0.0.1:{dash}", head, time.time() + 180, head_log)
-        time.sleep(3)  # the agents open their ports after the dashboard
+        # The agents open their ports after the dashboard: a fixed 3 s wait saw too few under load.
+        deadline, found = time.time() + 120, tcp_listeners(head.pid)
+        while len(found) < 8 and time.time() < deadline:
+            time.sleep(0.5)
+            found = tcp_listeners(head.pid)
+        time.sleep(1)
         found = tcp_listeners(head.pid)
         assert len(found) >= 8, found  # GCS, dashboard, raylet's node and object managers, agents, client server
         assert {addr for addr, _ in found} <= loopback_addresses, sorted(found)
