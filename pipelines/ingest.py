@@ -673,9 +673,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             channel = worker_counts.channel_dir(staging, fs)
             line = ProgressLine("prepare")
             watch = IngestProgress(line, worker_counts.Totals(channel).poll if channel else None, n_units, known)
+            reaper = local_runner.WorkerReaper()
             try:
                 with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0), \
-                        interrupts(local_runner.stop_sdk_workers):
+                        interrupts(reaper):
                     runner = local_runner.direct_runner(options) if _direct(run_cfg) else None
                     with beam.Pipeline(runner=runner, options=options) as p:
                         build_pipeline(p, plan, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
@@ -687,6 +688,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                         else f"no shard set was written to {cfg.output}") + " (the ingest starts over when re-run)"
                 raise Interrupted(getattr(exc, "signum", signal.SIGINT), kept) from None
             finally:
+                reaper.close()
                 worker_counts.close(channel)  # the in-process runner's counts file is this process's
             outputs = _read_staging(fs, staging)
             try:

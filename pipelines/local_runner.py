@@ -136,7 +136,7 @@ def workers_in_own_session() -> None:
     A terminal's Ctrl-C reaches the whole group: each worker printed its own
     KeyboardInterrupt and gRPC tracebacks (120-178 lines in all) over the driver's
     one line. Outside the group only the driver gets the signal, and
-    :func:`stop_sdk_workers` ends the workers; a driver killed outright still
+    :class:`WorkerReaper` ends the workers; a driver killed outright still
     takes them with it, as their control stream closes.
     """
     from apache_beam.runners.portability import local_job_service
@@ -146,25 +146,46 @@ def workers_in_own_session() -> None:
             local_job_service.subprocess = _SessionSubprocess()
 
 
-def stop_sdk_workers(signum: int | None = None) -> None:
-    """End an interrupted run's DirectRunner work quietly: kill this process's SDK workers, mute the rest.
+class WorkerReaper:
+    """Ends an interrupted run's DirectRunner work quietly; called by :func:`common.cli.interrupts`.
 
-    Beam's teardown joins a thread that waits on each worker process, and a worker
+    Beam's teardown joins a thread that waits on each SDK worker process, and a worker
     exits only when its control stream closes, which that teardown has not reached:
-    a SIGINT or SIGTERM sent to the driver alone left ``prepare`` waiting forever.
-    The teardown's threads then log the broken streams; the process is ending with
-    its one line (``common.cli.run_job``), so their logs and thread tracebacks are
-    dropped from here on.
+    a SIGINT or SIGTERM sent to the driver alone left ``prepare`` waiting forever. So the
+    workers are killed, and killed again until :meth:`close`: one still being started
+    when the signal came (a CI run caught that) would otherwise be waited on for good.
+    The teardown's threads then log the broken streams; the process is ending with its
+    one line (``common.cli.run_job``), so their logs and thread tracebacks are dropped.
     """
-    import logging
 
-    import psutil
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    logging.disable(logging.CRITICAL)
-    threading.excepthook = lambda args: None
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if any("sdk_worker_main" in part for part in child.cmdline()):
-                child.kill()
-        except psutil.Error:
-            pass
+    def __call__(self, signum: int | None = None) -> None:
+        import logging
+
+        logging.disable(logging.CRITICAL)
+        threading.excepthook = lambda args: None
+        self._kill()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._reap, name="sdk-worker-reaper", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _reap(self) -> None:
+        while not self._done.wait(0.1):
+            self._kill()
+
+    @staticmethod
+    def _kill() -> None:
+        import psutil
+
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if any("sdk_worker_main" in part for part in child.cmdline()):
+                    child.kill()
+            except psutil.Error:
+                pass
