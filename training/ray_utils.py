@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+import sys
 from pathlib import Path
 
 import pyarrow.fs
@@ -46,6 +47,30 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
         configure_logging=True,
         logging_level="WARNING",
     )
+
+
+def mute_dropped_exits() -> None:
+    """Stop a Ray worker printing a traceback for a SIGTERM that lands in a finalizer.
+
+    When a Tune trial ends, Tune removes its placement group, and the raylet sends SIGTERM to
+    the trial's worker if it has not exited yet. Ray's handler raises ``SystemExit`` in the main
+    thread at the next bytecode, and when that is a weakref callback or a ``__del__`` (the
+    worker is shutting down, collecting its threads) Python cannot raise it there: it drops it
+    and prints "Exception ignored in: ... SystemExit: 1", which the driver relays to the console
+    after the trial's progress line. The exit was dropped either way (the raylet kills the worker
+    200 ms later); this leaves out the traceback and reports every other unraisable error as
+    before. Call it in the worker process; it is process-wide and idempotent.
+    """
+    if getattr(sys.unraisablehook, "_mutes_dropped_exits", False):
+        return
+    report = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if unraisable.exc_type is None or not issubclass(unraisable.exc_type, SystemExit):
+            report(unraisable)
+
+    hook._mutes_dropped_exits = True
+    sys.unraisablehook = hook
 
 
 def _loopback_node() -> None:

@@ -65,6 +65,10 @@ def start_trial(cpus_per_trial: int, gpus_per_trial: float, seed: int):
     """A Tune trial's torch threads (its CPUs) and seed; returns its device."""
     import torch
 
+    from training.ray_utils import mute_dropped_exits
+
+    mute_dropped_exits()
+
     torch.set_num_threads(max(1, cpus_per_trial))
     torch.manual_seed(seed)
     return torch.device("cuda" if gpus_per_trial and torch.cuda.is_available() else "cpu")
