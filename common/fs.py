@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import stat
 import uuid
@@ -61,6 +62,16 @@ def make_output_dir(path: str | os.PathLike, field_name: str = "output") -> Path
 
 def is_local(fs) -> bool:
     return type(fs).__name__ == "LocalFileSystem"
+
+
+def read_json_object(fs, path: str) -> dict:
+    """The JSON object in ``path``, or ``{}`` when it is missing, unreadable or not an object."""
+    try:
+        with fs.open(path, "rt") as f:
+            value = json.load(f)
+        return value if isinstance(value, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _fsync_dir(path: str) -> None:

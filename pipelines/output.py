@@ -1,10 +1,8 @@
 """A ``prepare`` run's hold on its output folder: one writer at a time, and a swap that keeps a set readable.
 
-- **One writer.** A run holds ``DIR/.prepare.lock`` (its host and pid) from start to end. Two runs into
-  one folder deleted each other's staging folders and mixed their shards under one manifest; the
-  second one now says who holds the folder and exits 2. On a local disk the lock is an ``flock``,
-  which the kernel drops with its process; on other filesystems (fsspec) it is the file alone, and a
-  file left by a process of this host that is gone is stale and taken over.
+- **One writer.** A run holds ``DIR/.prepare.lock`` (:class:`common.locks.FolderLock`) from start to
+  end. Two runs into one folder deleted each other's staging folders and mixed their shards under one
+  manifest; the second one now says who holds the folder and exits 2.
 - **The old set stays readable.** The new shards are written under the run's staging folder; the
   old manifest and shards stay until :meth:`OutputFolder.swap` replaces them at the end, with
   SIGINT and SIGTERM held back. A run killed harder during the swap leaves no manifest (a clear
@@ -19,18 +17,16 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import threading
-import time
-import uuid
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from common.config import InputError
-from common.fs import atomic_write, is_local
+from common.fs import atomic_write, is_local, read_json_object
 from common.fs import url_to_fs as _fs
+from common.locks import FolderLock, lock_name
 from pipelines import schema
 
-LOCK = ".prepare.lock"
+LOCK = lock_name("prepare")
 #: What a dedup run writes into a shard set; it holds for those shards only.
 DEDUP_FILES = (schema.REMOVED, schema.DEDUP_STATE, "dedup_index", "dedup_report")
 SET_FILES = (schema.QUARANTINE, schema.DUPLICATES)
@@ -38,117 +34,6 @@ SET_FILES = (schema.QUARANTINE, schema.DUPLICATES)
 
 class OutputError(InputError):
     """The output folder is held by another run, or holds a shard set this run may not replace."""
-
-
-def _holder_text(info: dict) -> str:
-    started = info.get("started")
-    when = time.strftime(" since %Y-%m-%d %H:%M:%S UTC", time.gmtime(started)) if isinstance(started, (int, float)) else ""
-    return f"pid {info.get('pid', '?')} on {info.get('host', '?')}{when}"
-
-
-def _pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _read_info(fs, path: str) -> dict:
-    try:
-        with fs.open(path, "rt") as f:
-            info = json.load(f)
-        return info if isinstance(info, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-class _LocalLock:
-    """An ``flock`` on the lock file: held while the process lives, whatever kills it."""
-
-    def __init__(self, path: str, info: dict, output: str):
-        self.path, self.info, self.output, self.fd = path, info, output, None
-
-    def acquire(self) -> None:
-        import fcntl
-
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                holder = _read_info(_fs(self.path)[0], self.path)
-                raise OutputError(
-                    f"output {self.output}: another prepare run is writing there ({_holder_text(holder)}); "
-                    "wait for it to finish, or choose another --output"
-                ) from None
-            # The holder before us may have removed the file after we opened it: lock the file at the path.
-            try:
-                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        self.fd = fd
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(self.info).encode())
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(self.path)  # before the unlock, so a waiting run never locks a removed file
-        os.close(self.fd)
-        self.fd = None
-
-
-class _FileLock:
-    """A lock file created only if absent, for filesystems without ``flock`` (object stores, fsspec)."""
-
-    def __init__(self, fs, path: str, info: dict, output: str):
-        self.fs, self.path, self.info, self.output, self.held = fs, path, info, output, False
-
-    def _create(self) -> bool:
-        data = json.dumps(self.info).encode()
-        try:
-            with self.fs.open(self.path, "xb") as f:
-                f.write(data)
-        except FileExistsError:
-            return False
-        except (ValueError, NotImplementedError, TypeError):  # no exclusive mode here: write, then read back
-            if self.fs.exists(self.path):
-                return False
-            with self.fs.open(self.path, "wb") as f:
-                f.write(data)
-        return _read_info(self.fs, self.path).get("token") == self.info["token"]
-
-    def acquire(self) -> None:
-        for _ in range(2):
-            if self._create():
-                self.held = True
-                return
-            holder = _read_info(self.fs, self.path)
-            if holder.get("host") == self.info["host"] and not _pid_alive(holder.get("pid")):
-                with contextlib.suppress(FileNotFoundError):
-                    self.fs.rm(self.path)  # stale: its process on this host is gone
-                continue
-            break
-        raise OutputError(
-            f"output {self.output}: another prepare run is writing there ({_holder_text(holder)}); wait for it to "
-            f"finish, or, if that process is gone, delete {self.path} and run again"
-        )
-
-    def release(self) -> None:
-        if self.held and _read_info(self.fs, self.path).get("token") == self.info["token"]:
-            with contextlib.suppress(FileNotFoundError):
-                self.fs.rm(self.path)
-        self.held = False
 
 
 def _norm_sources(sources: Sequence[str]) -> list[str]:
@@ -192,9 +77,7 @@ class OutputFolder:
         self.output = str(url)
         self.fs, self.root = _fs(url)
         self.sources, self.overwrite = list(sources), overwrite
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "token": uuid.uuid4().hex}
-        path = f"{self.root}/{LOCK}"
-        self._lock = _LocalLock(path, info, self.output) if is_local(self.fs) else _FileLock(self.fs, path, info, self.output)
+        self._lock = FolderLock(self.output, "prepare")
 
     def __enter__(self) -> "OutputFolder":
         self._lock.acquire()
@@ -213,8 +96,7 @@ class OutputFolder:
         path = f"{self.root}/{schema.MANIFEST}"
         if not self.fs.exists(path):
             return None
-        info = _read_info(self.fs, path)
-        return info
+        return read_json_object(self.fs, path)
 
     def _check_replaceable(self) -> None:
         old = self.old_manifest()

@@ -35,6 +35,7 @@ from common.cli import Interrupted, interrupts
 from common.config import ConfigError, check
 from common.fs import atomic_write, make_output_dir, url_to_fs
 from common.jobenv import durable_path, is_url
+from common.locks import FolderLock
 from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progress_every
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
 from training import run_artifacts
@@ -286,31 +287,33 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
 
     cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
     storage = _storage(cfg, Path(cfg.output))
-    cfg, resume, output = _claim(cfg, storage)
-    _warn_one_class(cfg, shards)
-    init_ray(cfg.ray_address)
-    datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}
-    data_record = shard_set_record(cfg.data, role="training")
-    records = [data_record] + ([shard_set_record(cfg.fewshot_data, role="evaluation")] if cfg.fewshot_data else [])
-    name = f"pretrain {cfg.variant.replace('/', '')} on {data_record['name']}"
-    with tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
-                            run_name=f"{name} ({cfg.run_name})",
-                            tags=tracking.run_tags(cfg, data=records, main=[data_record]),
-                            log_system_metrics=True) as run:
-        tracking.log_shard_inputs(records)
-        tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),
-                              "planned_steps": total_steps, "steps_per_epoch": steps_per_epoch,
-                              "accumulation": cfg.accumulation})
-        try:
-            with interrupts():
-                result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage, resume)
-        except KeyboardInterrupt as exc:
-            tracking.end_active_run("KILLED")
-            raise Interrupted(getattr(exc, "signum", signal.SIGINT), _kept(cfg, storage, total_steps)) from None
-        summary = _summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts)
-        _publish(cfg, run, summary, shards, output, name)
-        atomic_write(output / SUMMARY, json.dumps(summary, indent=2))
-    return summary
+    # One run at a time in an output folder: two would resume the same run into the same checkpoints.
+    with FolderLock(make_output_dir(Path(cfg.output)), "pretrain"):
+        cfg, resume, output = _claim(cfg, storage)
+        _warn_one_class(cfg, shards)
+        init_ray(cfg.ray_address)
+        datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}
+        data_record = shard_set_record(cfg.data, role="training")
+        records = [data_record] + ([shard_set_record(cfg.fewshot_data, role="evaluation")] if cfg.fewshot_data else [])
+        name = f"pretrain {cfg.variant.replace('/', '')} on {data_record['name']}"
+        with tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
+                                run_name=f"{name} ({cfg.run_name})",
+                                tags=tracking.run_tags(cfg, data=records, main=[data_record]),
+                                log_system_metrics=True) as run:
+            tracking.log_shard_inputs(records)
+            tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),
+                                  "planned_steps": total_steps, "steps_per_epoch": steps_per_epoch,
+                                  "accumulation": cfg.accumulation})
+            try:
+                with interrupts():
+                    result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage, resume)
+            except KeyboardInterrupt as exc:
+                tracking.end_active_run("KILLED")
+                raise Interrupted(getattr(exc, "signum", signal.SIGINT), _kept(cfg, storage, total_steps)) from None
+            summary = _summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts)
+            _publish(cfg, run, summary, shards, output, name)
+            atomic_write(output / SUMMARY, json.dumps(summary, indent=2))
+        return summary
 
 
 def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, int]]:

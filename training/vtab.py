@@ -24,8 +24,9 @@ from typing import Any
 
 from common import plots, tracking
 from common.config import check, not_recipe, parse_named
-from common.fs import atomic_write
+from common.fs import atomic_write, make_output_dir
 from common.jobenv import durable_path
+from common.locks import FolderLock
 from training.ray_utils import init_ray
 from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
 from training.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
@@ -242,9 +243,14 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
     # Before Ray starts: a missing task costs nothing.
     tasks = resolve_tasks(cfg.data_root, cfg.task, no_flip=cfg.no_flip, no_crop=cfg.no_crop)
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
+    # One sweep at a time in an output folder: two would restore the same sweep and run its trials twice.
+    with FolderLock(make_output_dir(output), "vtab"):
+        return _run_sweeps(cfg, output, tasks)
+
+
+def _run_sweeps(cfg: VtabConfig, output: Path, tasks: dict[str, dict]) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
     state = open_sweep_state(output, config, fresh_keys=not_recipe(cfg))
-    output.mkdir(parents=True, exist_ok=True)
     init_ray(cfg.ray_address)
     uri = tracking.tracking_uri()
     names = list(tasks)

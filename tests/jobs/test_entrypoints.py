@@ -1,5 +1,6 @@
 """Every stage is its own entrypoint: --help and clear usage errors. (`ray job submit` of a
 stage runs on the two-node cluster of tests/jobs/test_pretrain_cluster.py.)"""
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,23 +88,6 @@ def test_a_negative_value_reaches_its_fields_check(lrs):
     assert_one_line_exit_2(out, "finetune", "lrs: every learning rate must be positive, got [-0.1, 0.01]")
 
 
-@pytest.fixture(scope="module")
-def tiny_shards(tmp_path_factory, mlflow_store):
-    """A real shard set of 16 photo crops in two classes: enough for pretrain's and finetune's checks."""
-    from common.photos import photo
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
-
-    root = tmp_path_factory.mktemp("tiny")
-    for cls, name in (("cat", "chelsea.png"), ("coffee", "coffee.png")):
-        (root / "src" / cls).mkdir(parents=True)
-        img = photo(name)
-        for i in range(8):
-            img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(root / "src" / cls / f"{i}.png")
-    run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=32, workers=1))
-    return root / "shards"
-
-
 @pytest.mark.parametrize("name", ["pretrain", "finetune"])
 def test_an_output_that_is_a_file_is_one_line_exit_2(name, tiny_shards, tmp_path):
     output = tmp_path / "model_out"
@@ -169,6 +153,28 @@ def test_a_pretrained_file_that_is_not_a_checkpoint_is_refused_before_ray(job, f
     assert_one_line_exit_2(out, job, f"pretrained: {path}: not a readable safetensors checkpoint")
     assert "model.safetensors that jobs/pretrain.py" in error_lines(out, job)[0]
     assert "Ray" not in out.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("job", ["pretrain", "finetune", "vtab"])
+def test_a_second_run_into_an_output_folder_in_use_is_refused_naming_the_holder(job, tiny_shards, tmp_path):
+    # Two pretrain runs into one --output resumed the same run into the same checkpoint folders;
+    # two sweeps restored the same Tune experiment and ran its trials twice.
+    from common.locks import FolderLock
+
+    task = tmp_path / "task"
+    task.mkdir()
+    for split in ("train800", "val200", "test"):
+        (task / split).symlink_to(tiny_shards, target_is_directory=True)
+    data = {"pretrain": ["--data", str(tiny_shards), "--variant", "Ti/8", "--depth", "1", "--img-size", "32",
+                         "--batch-size", "4", "--num-workers", "1", "--holdout", "0"],
+            "finetune": ["--train", str(tiny_shards), "--test", str(tiny_shards)],
+            "vtab": ["--task", f"natural/mine={task}"]}[job]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    with FolderLock(out_dir, job):
+        out = run_job(job, *data, "--output", str(out_dir))
+    assert_one_line_exit_2(out, job, f"output {out_dir}: another {job} run is writing there (pid {os.getpid()} on ")
+    assert "Ray" not in out.stderr and sorted(os.listdir(out_dir)) == []  # released, nothing written
 
 
 def test_pretraining_a_classifier_on_one_class_warns_in_one_line_and_trains(tmp_path, mlflow_store):

@@ -10,14 +10,15 @@ import sys
 import fsspec
 import pytest
 
-from pipelines.output import LOCK, OutputError, OutputFolder
+from common.locks import FolderBusy
+from pipelines.output import LOCK, OutputFolder
 
 
 def test_a_second_writer_over_fsspec_is_refused_naming_the_holder():
     url = "memory://output-lock/held"
     fsspec.filesystem("memory").makedirs("/output-lock/held", exist_ok=True)
     with OutputFolder(url, ["/src"]):
-        with pytest.raises(OutputError, match=f"another prepare run is writing there \\(pid {os.getpid()} on "):
+        with pytest.raises(FolderBusy, match=f"another prepare run is writing there \\(pid {os.getpid()} on "):
             OutputFolder(url, ["/src"]).__enter__()
     assert not fsspec.filesystem("memory").exists(f"/output-lock/held/{LOCK}")  # released at the end
     with OutputFolder(url, ["/src"]):  # and free again
@@ -37,5 +38,5 @@ def test_a_lock_file_from_another_host_is_named_with_the_fix():
     fs = fsspec.filesystem("memory")
     fs.makedirs("/output-lock/remote", exist_ok=True)
     fs.pipe(f"/output-lock/remote/{LOCK}", json.dumps({"host": "node-7", "pid": 4242}).encode())
-    with pytest.raises(OutputError, match=f"pid 4242 on node-7.*if that process is gone, delete .*{LOCK}"):
+    with pytest.raises(FolderBusy, match=f"pid 4242 on node-7.*if that process is gone, delete .*{LOCK}"):
         OutputFolder("memory://output-lock/remote", ["/src"]).__enter__()

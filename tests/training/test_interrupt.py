@@ -11,31 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def tiny_shards(tmp_path_factory):
-    """16 photo crops in two classes, prepared at 32 px."""
-    from common.photos import photo
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
-
-    root = tmp_path_factory.mktemp("tiny")
-    for cls, name in (("cat", "chelsea.png"), ("coffee", "coffee.png")):
-        (root / "src" / cls).mkdir(parents=True)
-        img = photo(name)
-        for i in range(8):
-            img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(root / "src" / cls / f"{i}.png")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "home"))
-    try:
-        run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=32, workers=1))
-    finally:
-        mp.undo()
-    return root / "shards"
 
 
 def _env(home: Path) -> dict:
