@@ -1,6 +1,7 @@
 """jobs/prepare.py as users run it: exit codes, messages, and a SIGKILL in the middle of writing."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -237,9 +238,15 @@ def test_a_signal_during_a_multi_worker_ingest_ends_it_in_one_line(tmp_path, pho
                             start_new_session=True)
     deadline = time.monotonic() + 240
     workers = []
+    def sdk_worker(p) -> bool:
+        try:
+            return p.name().startswith("python") and any("sdk_worker_main" in part for part in p.cmdline())
+        except psutil.Error:  # a child that ended between the listing and the look (a flake on CI)
+            return False
+
     while proc.poll() is None and time.monotonic() < deadline and len(workers) < started:
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if p.name().startswith("python") and any("sdk_worker_main" in part for part in p.cmdline())]
+        with contextlib.suppress(psutil.NoSuchProcess):
+            workers = [p for p in psutil.Process(proc.pid).children(recursive=True) if sdk_worker(p)]
         time.sleep(0.01)
     assert proc.poll() is None, "the ingest ended before its workers were seen"
     os.killpg(proc.pid, sig) if whole_group else os.kill(proc.pid, sig)
@@ -249,4 +256,10 @@ def test_a_signal_during_a_multi_worker_ingest_ends_it_in_one_line(tmp_path, pho
     assert len(lines) == 1, err[-3000:]
     assert lines[0].startswith(f"prepare: interrupted by {signal.Signals(sig).name}; no shard set was written to ")
     assert "resume with: python " in lines[0]
-    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
+    def alive(p) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    assert not any(alive(p) for p in workers)
