@@ -102,3 +102,29 @@ def test_a_missing_file_or_heading_is_reported(tmp_path):
     assert ":7: missing.md (no such file" in problems[0]
     assert ":8: other.md#scale-out (no heading #scale-out in other.md)" in problems[1]
     assert ":9: ./also-missing.md (no such file" in problems[2]
+
+
+# What a first-time user ran into before the manual said it (issue 25, point 15): each fact, the
+# file that says it, and words it is said in.
+FACTS = {
+    "the manifest's columns": ("docs/ingest.md", ["The image column is `uri`", "`label`", "`labels`"]),
+    "how each stage resumes": ("docs/README.md", ["Each stage is resumed by running the same command again",
+                                                  "`pretrain_run.json`, no `--run-name` needed"]),
+    "submit from the repository root, outputs outside it": (
+        "docs/scale-out.md", ["**Submit from the repository root.**", "100 MiB", "status code 413",
+                              "keep shard sets, models and other outputs outside the repository"]),
+    "VITSCALE_HOME and a relative --output on a local run": (
+        "docs/tracking.md", ["On a local run `VITSCALE_HOME` moves the MLflow store only: a relative `--output` "
+                             "stays relative"]),
+    "ties in the learning-rate selection": ("docs/transfer.md", ["lowest rate"]),
+    "a cluster's VITSCALE_HOME reaches submitted jobs": (
+        "docs/scale-out.md", ["**`VITSCALE_HOME` from the cluster.**", "gives it to every job"]),
+}
+
+
+def test_the_manual_says_what_a_user_needs_before_they_hit_it():
+    missing = []
+    for fact, (name, phrases) in FACTS.items():
+        text = " ".join((REPO / name).read_text().split())  # lines rewrapped: compare word by word
+        missing += [f"{name}: {fact}: {p!r}" for p in phrases if " ".join(p.split()) not in text]
+    assert not missing, "\n".join(missing)
