@@ -116,7 +116,7 @@ FACTS = {
     "VITSCALE_HOME and a relative --output on a local run": (
         "docs/tracking.md", ["On a local run `VITSCALE_HOME` moves the MLflow store only: a relative `--output` "
                              "stays relative"]),
-    "ties in the learning-rate selection": ("docs/transfer.md", ["lowest rate"]),
+    "ties in the learning-rate selection": ("docs/transfer.md", ["a tie goes to the lowest rate"]),
     "a cluster's VITSCALE_HOME reaches submitted jobs": (
         "docs/scale-out.md", ["**`VITSCALE_HOME` from the cluster.**", "gives it to every job"]),
 }
