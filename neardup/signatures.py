@@ -207,12 +207,23 @@ def proxy(img: Image.Image | np.ndarray) -> Proxy:
         if f > 1:
             lum = lum.reduce(f, box=(ox, oy, ox + w, oy + h))
     pixels = np.asarray(lum)
-    sat = np.zeros((pixels.shape[0] + 1, pixels.shape[1] + 1), dtype=np.int32)  # exact: at most 255 * 255**2
-    sat[1:, 1:] = pixels
-    np.cumsum(sat, axis=1, out=sat)
-    np.cumsum(sat, axis=0, out=sat)
-    # float64 holds these sums exactly, and numpy gathers and interpolates it twice as fast as int32
-    return Proxy(pixels.astype(np.float64), sat.astype(np.float64), f, (ox, oy))
+    return Proxy(pixels.astype(np.float64), _summed_area(pixels), f, (ox, oy))
+
+
+def _summed_area(pixels: np.ndarray) -> np.ndarray:
+    """(h + 1, w + 1) float64 summed-area table of (h, w) uint8 ``pixels``, zero first row and column.
+
+    Summed in int32 (exact: at most 255 * 255**2), so the order of the additions does not matter.
+    numpy accumulates down the columns of a C array three times slower than along its rows, so
+    the column sums run along the rows of the transposed row sums. The table is float64: it holds
+    these sums exactly, and numpy gathers and interpolates it twice as fast as int32.
+    """
+    h, w = pixels.shape
+    sums = np.cumsum(pixels, axis=1, dtype=np.int32).T.copy()
+    np.cumsum(sums, axis=1, out=sums)
+    sat = np.zeros((h + 1, w + 1))
+    sat[1:, 1:] = sums.T
+    return sat
 
 
 def _trim(lum: np.ndarray, mixed_rows: bool = False, mixed_cols: bool = False) -> tuple[int, int, int, int]:
