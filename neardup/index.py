@@ -325,9 +325,24 @@ class TestSetIndex:
         return np.asarray(limits, dtype=np.int64)
 
     def _search_chunk(self, probe: _Probe, q: np.ndarray, base: int, lim: np.ndarray):
-        words, owner = self._words, self._owner
+        qi, ei, d = self._candidates(probe, q, lim)
+        if not len(qi):
+            return _NO_PAIRS
+        qi, d, rec = qi.astype(np.int64), d.astype(np.int64), self._owner[ei].astype(np.int64)
+        # one row per (query, record): the closest variant (a pair found through several blocks too)
+        order = np.lexsort((d, rec, qi))
+        qi, rec, d = qi[order], rec[order], d[order]
+        first = np.ones(len(qi), dtype=bool)
+        first[1:] = (qi[1:] != qi[:-1]) | (rec[1:] != rec[:-1])
+        return qi[first] + base, rec[first], d[first]
+
+    def _candidates(self, probe: _Probe, q: np.ndarray, lim: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(query row, entry, distance) of every (query, indexed code) pair the rule accepts, unreduced.
+
+        An entry is a row of ``_words``; a pair found through several blocks is listed once a block.
+        """
         if self._columns is None:
-            self._columns = [np.ascontiguousarray(words[:, w]) for w in range(words.shape[1])]
+            self._columns = [np.ascontiguousarray(self._words[:, w]) for w in range(self._words.shape[1])]
         w0, *w_cols = self._columns
         q0, *q_cols = q.T.copy()  # one contiguous row per word
         # every bucket within the block radius of every block of every query, in one gather
@@ -345,23 +360,14 @@ class TestSetIndex:
         # word by word on 1-D arrays (a (n, 2) gather and a row sum cost twice as much),
         # dropping candidates as soon as their distance passes the limit: most fail on the
         # first word, which spares the later words' gathers (cache misses in a large index).
-        # Distances stay uint8 (at most CODE_BITS) until the few pairs that pass.
+        # Distances stay uint8 (at most CODE_BITS).
         d = np.bitwise_count(q0[qi] ^ w0[ei])
         for q_w, w_w in zip(q_cols, w_cols):
             keep = np.flatnonzero(d <= lim[qi])
             qi, ei, d = qi[keep], ei[keep], d[keep]
             d += np.bitwise_count(q_w[qi] ^ w_w[ei])
-        keep = d <= lim[qi]
-        if not keep.any():  # most corpus images
-            return _NO_PAIRS
-        qi, d = qi[keep].astype(np.int64), d[keep].astype(np.int64)
-        rec = owner[ei[keep]].astype(np.int64)
-        # one row per (query, record): the closest variant (a pair found through several blocks too)
-        order = np.lexsort((d, rec, qi))
-        qi, rec, d = qi[order], rec[order], d[order]
-        first = np.ones(len(qi), dtype=bool)
-        first[1:] = (qi[1:] != qi[:-1]) | (rec[1:] != rec[:-1])
-        return qi[first] + base, rec[first], d[first]
+        keep = np.flatnonzero(d <= lim[qi])
+        return qi[keep], ei[keep], d[keep]
 
     def brute_force(self, queries: np.ndarray, *, limits: np.ndarray | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -424,14 +430,16 @@ class TestSetIndex:
                 sig.split_codes(signature)  # raises, naming the fix
             k = len(signature) // sig.SIGNATURE_BYTES
             q = np.frombuffer(signature, dtype=">u8").reshape(k, sig.WORDS).astype(np.uint64)
-            offset = _code_offsets(k)
-            qi, rec, dist = self._search_chunk(self._ensure(), q, 0, _code_limits(k, self.threshold))
-            if len(qi):  # most corpus images have no pair
-                _, rec, dist, code = _closest_code(np.zeros_like(qi), rec, dist, qi, offset)
-                for i, d, c in zip(rec.tolist(), dist.tolist(), code.tolist()):
-                    if i not in out:
-                        out[i] = Match(self.test_set[i], self.key[i], d, False, REVERSE if c else FORWARD,
-                                       self.source[i])
+            code, entry, dist = self._candidates(self._ensure(), q, _code_limits(k, self.threshold))
+            # _closest_code's choice, over the few pairs one item has, in plain Python
+            closest: dict[int, tuple[int, int, int]] = {}
+            for c, i, d in zip(code.tolist(), self._owner[entry].tolist(), dist.tolist()):
+                room = (d + (c > 0) * INNER_THRESHOLD_OFFSET, c, d)
+                if room < closest.get(i, (sig.CODE_BITS * 2,)):
+                    closest[i] = room
+            for i, (_, c, d) in closest.items():
+                if i not in out:
+                    out[i] = Match(self.test_set[i], self.key[i], d, False, REVERSE if c else FORWARD, self.source[i])
         return sorted(out.values(), key=lambda m: (m.distance, not m.exact, m.test_set, m.key))
 
     def uri(self, record: int) -> str:
