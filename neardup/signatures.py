@@ -368,20 +368,28 @@ def _table_layout(rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
     return size, last
 
 
+_MID = CODE_BITS // 2  # the median of CODE_BITS values is the mean of the two at _MID - 1 and _MID in order
+
+
 def _median(values: np.ndarray) -> np.ndarray:
     """Median of each row of (k, CODE_BITS) values, as (k, 1); np.median costs ten times a sort here."""
-    mid = np.sort(values, axis=-1)[..., CODE_BITS // 2 - 1: CODE_BITS // 2 + 1]
-    return (mid[..., :1] + mid[..., 1:]) / 2
+    ordered = np.sort(values, axis=-1)
+    return (ordered[..., _MID - 1: _MID] + ordered[..., _MID: _MID + 1]) / 2
 
 
 def _bits(coeffs: np.ndarray) -> np.ndarray:
-    """(k, SIGNATURE_BYTES) uint8: per row, which coefficients lie above the row's median."""
-    coeffs = np.atleast_2d(coeffs)
-    return np.packbits(coeffs > _median(coeffs), axis=1)
+    """(k, SIGNATURE_BYTES) uint8: per row of (k, CODE_BITS) ``coeffs``, which lie above the row's median."""
+    return np.packbits(coeffs > _median(coeffs)).reshape(-1, SIGNATURE_BYTES)  # a row is whole bytes
 
 
 def _margin(coeffs: np.ndarray) -> float:
-    return float(_median(np.abs(coeffs - _median(coeffs)))[0])
+    """Median distance of (CODE_BITS,) ``coeffs`` from their median (:func:`texture_margin`).
+
+    On numpy scalars, the same operations as :func:`_median` on arrays: a third of the time.
+    """
+    ordered = np.sort(coeffs)
+    ordered = np.sort(np.abs(coeffs - (ordered[_MID - 1] + ordered[_MID]) / 2))
+    return float((ordered[_MID - 1] + ordered[_MID]) / 2)
 
 
 def texture_margin(img: Image.Image) -> float:
