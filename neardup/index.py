@@ -342,7 +342,9 @@ class TestSetIndex:
         An entry is a row of ``_words``; a pair found through several blocks is listed once a block.
         """
         if self._columns is None:
-            self._columns = [np.ascontiguousarray(self._words[:, w]) for w in range(self._words.shape[1])]
+            # views, not copies: a candidate's later words then sit in the cache line its first
+            # word's gather brought in, and the index is not held twice
+            self._columns = list(self._words.T)
         w0, *w_cols = self._columns
         q0, *q_cols = q.T.copy()  # one contiguous row per word
         # every bucket within the block radius of every block of every query, in one gather
