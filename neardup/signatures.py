@@ -142,7 +142,7 @@ def luminance(img: Image.Image) -> np.ndarray:
 class Proxy(NamedTuple):
     """The luminance of an image reduced once, from which all its codes are cut.
 
-    ``lum`` (h, w) float64 grey levels. Proxy pixel (i, j) covers image rows
+    ``lum`` (h, w) uint8 grey levels. Proxy pixel (i, j) covers image rows
     ``offset[1] + i * scale`` .. ``+ scale`` and as many columns from ``offset[0] + j * scale``;
     it is the mean of those columns along one image row, the band's first, where
     ``scale >= ROW_SAMPLED_SCALE``, and the mean of the whole square below that.
@@ -208,7 +208,7 @@ def proxy(img: Image.Image | np.ndarray) -> Proxy:
         if f > 1:
             lum = lum.reduce(f, box=(ox, oy, ox + w, oy + h))
     pixels = np.asarray(lum)
-    return Proxy(pixels.astype(np.float64), _summed_area(pixels), f, (ox, oy))
+    return Proxy(pixels, _summed_area(pixels), f, (ox, oy))
 
 
 def _summed_area(pixels: np.ndarray) -> np.ndarray:
@@ -251,6 +251,7 @@ def _trim(lum: np.ndarray, mixed_rows: bool = False, mixed_cols: bool = False) -
 
     if ph >= 8 and pw >= 8 and _edges_vary(lum):
         return (0, 0, pw, ph)  # most images: no edge is flat, which run() would find side by side
+    lum = lum.astype(np.float64)  # run() squares and sums grey levels; only images with a flat edge get here
     # Repeat so a frame added around an image whose own margin is flat peels down
     # to the same content as the original: frame first, then the natural margin.
     left = top = 0
@@ -279,7 +280,7 @@ def _edges_vary(lum: np.ndarray) -> bool:
     and equal to ``run``'s line by line, and the variances come out bit for bit the same.
     """
     ph, pw = lum.shape
-    lines = np.concatenate((lum[0], lum[-1], lum[:, 0], lum[:, -1]))
+    lines = np.concatenate((lum[0], lum[-1], lum[:, 0], lum[:, -1]), dtype=np.float64)
     starts = (0, pw, 2 * pw, 2 * pw + ph)
     sums, squares = np.add.reduceat(lines, starts), np.add.reduceat(lines * lines, starts)
     return all(sq / n - (s / n) ** 2 > _TRIM_STD ** 2 for sq, s, n in zip(squares, sums, (pw, pw, ph, ph)))
