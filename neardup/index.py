@@ -520,9 +520,6 @@ class TestSetIndex:
 
 # The ingest looks records up one at a time, where every numpy call costs about as much as the
 # memory reads of the search (issue 23): what depends only on sizes is made once and reused.
-_NO_PAIRS = tuple(np.zeros(0, dtype=np.int64) for _ in range(3))
-
-
 @functools.lru_cache(maxsize=16)
 def _code_offsets(k: int) -> np.ndarray:
     """What each of an item's ``k`` corpus codes adds to its distance: 0 for the whole image, the inner offset after."""
@@ -552,6 +549,7 @@ def _frozen(a: np.ndarray) -> np.ndarray:
     return a
 
 
+_NO_PAIRS = tuple(_frozen(np.zeros(0, dtype=np.int64)) for _ in range(3))
 _ARANGE = _frozen(np.arange(1 << 16))
 
 
