@@ -44,6 +44,7 @@ searched consistently; ``load`` refuses it (:class:`IndexOutdated`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -324,11 +325,28 @@ class TestSetIndex:
         return np.asarray(limits, dtype=np.int64)
 
     def _search_chunk(self, probe: _Probe, q: np.ndarray, base: int, lim: np.ndarray):
-        words, owner = self._words, self._owner
+        qi, ei, d = self._candidates(probe, q, lim)
+        if not len(qi):
+            return _NO_PAIRS
+        qi, d, rec = qi.astype(np.int64), d.astype(np.int64), self._owner[ei].astype(np.int64)
+        # one row per (query, record): the closest variant (a pair found through several blocks too)
+        order = np.lexsort((d, rec, qi))
+        qi, rec, d = qi[order], rec[order], d[order]
+        first = np.ones(len(qi), dtype=bool)
+        first[1:] = (qi[1:] != qi[:-1]) | (rec[1:] != rec[:-1])
+        return qi[first] + base, rec[first], d[first]
+
+    def _candidates(self, probe: _Probe, q: np.ndarray, lim: np.ndarray) -> tuple[np.ndarray, ...]:
+        """(query row, entry, distance) of every (query, indexed code) pair the rule accepts, unreduced.
+
+        An entry is a row of ``_words``; a pair found through several blocks is listed once a block.
+        """
         if self._columns is None:
-            self._columns = [np.ascontiguousarray(words[:, w]) for w in range(words.shape[1])]
+            # views, not copies: a candidate's later words then sit in the cache line its first
+            # word's gather brought in, and the index is not held twice
+            self._columns = list(self._words.T)
         w0, *w_cols = self._columns
-        q0, *q_cols = [np.ascontiguousarray(q[:, w]) for w in range(q.shape[1])]
+        q0, *q_cols = q.T.copy()  # one contiguous row per word
         # every bucket within the block radius of every block of every query, in one gather
         per_query = probe.m * len(probe.masks)
         keys = ((_blocks(q)[:, :, None] ^ probe.masks) + probe.block_base[:, None]).ravel()
@@ -337,31 +355,21 @@ class TestSetIndex:
         ends = np.cumsum(n)
         total = int(ends[-1]) if len(ends) else 0
         if total == 0:
-            e = np.zeros(0, dtype=np.int64)
-            return e, e.copy(), e.copy()
+            return _NO_PAIRS
         # the buckets laid end to end: candidate i of bucket b sits at order[start[b] + i]
-        ei = probe.order[np.arange(total) + np.repeat(start - (ends - n), n)]
-        qi = np.repeat(np.arange(len(keys)) // per_query, n)
+        ei = probe.order[_arange(total) + np.repeat(start - (ends - n), n)]
+        qi = np.repeat(_query_of_key(len(q), per_query), n)
         # word by word on 1-D arrays (a (n, 2) gather and a row sum cost twice as much),
         # dropping candidates as soon as their distance passes the limit: most fail on the
-        # first word, which spares the later words' gathers (cache misses in a large index)
-        d = np.bitwise_count(q0[qi] ^ w0[ei]).astype(np.int64)
+        # first word, which spares the later words' gathers (cache misses in a large index).
+        # Distances stay uint8 (at most CODE_BITS).
+        d = np.bitwise_count(q0[qi] ^ w0[ei])
         for q_w, w_w in zip(q_cols, w_cols):
             keep = np.flatnonzero(d <= lim[qi])
             qi, ei, d = qi[keep], ei[keep], d[keep]
             d += np.bitwise_count(q_w[qi] ^ w_w[ei])
-        keep = d <= lim[qi]
-        if not keep.any():  # most corpus images
-            e = np.zeros(0, dtype=np.int64)
-            return e, e.copy(), e.copy()
-        qi, d = qi[keep].astype(np.int64), d[keep]
-        rec = owner[ei[keep]].astype(np.int64)
-        # one row per (query, record): the closest variant (a pair found through several blocks too)
-        order = np.lexsort((d, rec, qi))
-        qi, rec, d = qi[order], rec[order], d[order]
-        first = np.ones(len(qi), dtype=bool)
-        first[1:] = (qi[1:] != qi[:-1]) | (rec[1:] != rec[:-1])
-        return qi[first] + base, rec[first], d[first]
+        keep = np.flatnonzero(d <= lim[qi])
+        return qi[keep], ei[keep], d[keep]
 
     def brute_force(self, queries: np.ndarray, *, limits: np.ndarray | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -424,10 +432,14 @@ class TestSetIndex:
                 sig.split_codes(signature)  # raises, naming the fix
             k = len(signature) // sig.SIGNATURE_BYTES
             q = np.frombuffer(signature, dtype=">u8").reshape(k, sig.WORDS).astype(np.uint64)
-            offset = _code_offsets(k)
-            qi, rec, dist = self._search_chunk(self._ensure(), q, 0, self.threshold - offset)
-            _, rec, dist, code = _closest_code(np.zeros_like(qi), rec, dist, qi, offset)
-            for i, d, c in zip(rec.tolist(), dist.tolist(), code.tolist()):
+            code, entry, dist = self._candidates(self._ensure(), q, _code_limits(k, self.threshold))
+            # _closest_code's choice, over the few pairs one item has, in plain Python
+            closest: dict[int, tuple[int, int, int]] = {}
+            for c, i, d in zip(code.tolist(), self._owner[entry].tolist(), dist.tolist()):
+                room = (d + (c > 0) * INNER_THRESHOLD_OFFSET, c, d)
+                if room < closest.get(i, (sig.CODE_BITS * 2,)):
+                    closest[i] = room
+            for i, (_, c, d) in closest.items():
                 if i not in out:
                     out[i] = Match(self.test_set[i], self.key[i], d, False, REVERSE if c else FORWARD, self.source[i])
         return sorted(out.values(), key=lambda m: (m.distance, not m.exact, m.test_set, m.key))
@@ -506,9 +518,44 @@ class TestSetIndex:
         return index
 
 
+# The ingest looks records up one at a time, where every numpy call costs about as much as the
+# memory reads of the search (issue 23): what depends only on sizes is made once and reused.
+@functools.lru_cache(maxsize=16)
 def _code_offsets(k: int) -> np.ndarray:
     """What each of an item's ``k`` corpus codes adds to its distance: 0 for the whole image, the inner offset after."""
-    return np.where(np.arange(k) > 0, INNER_THRESHOLD_OFFSET, 0)
+    return _frozen(np.where(np.arange(k) > 0, INNER_THRESHOLD_OFFSET, 0))
+
+
+@functools.lru_cache(maxsize=16)
+def _code_limits(k: int, threshold: int) -> np.ndarray:
+    """The distance condition (b) for each of an item's ``k`` corpus codes."""
+    return _frozen(threshold - _code_offsets(k))
+
+
+def _query_of_key(queries: int, per_query: int) -> np.ndarray:
+    """The query row of each probed bucket key (``per_query`` keys a query, query by query)."""
+    if queries > 64:  # a batch search: kept out of the cache, which would hold its size for good
+        return np.arange(queries * per_query) // per_query
+    return _query_of_key_cached(queries, per_query)
+
+
+@functools.lru_cache(maxsize=16)
+def _query_of_key_cached(queries: int, per_query: int) -> np.ndarray:
+    return _frozen(np.arange(queries * per_query) // per_query)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+_NO_PAIRS = tuple(_frozen(np.zeros(0, dtype=np.int64)) for _ in range(3))
+_ARANGE = _frozen(np.arange(1 << 16))
+
+
+def _arange(n: int) -> np.ndarray:
+    """``np.arange(n)``, read-only: a view of one shared array at the sizes of a one-record lookup."""
+    return _ARANGE[:n] if n <= len(_ARANGE) else np.arange(n)
 
 
 def _closest_code(item: np.ndarray, rec: np.ndarray, d: np.ndarray, code: np.ndarray, offset: np.ndarray):

@@ -8,7 +8,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from neardup import signatures as sig
-from neardup.index import FORWARD, REVERSE, TestSetIndex
+from neardup.index import FORWARD, INNER_THRESHOLD_OFFSET, REVERSE, TestSetIndex
 from neardup.transforms import REVERSE_TRANSFORMS, apply
 
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "motorcycle_left.png"]
@@ -103,6 +103,38 @@ def test_search_corpus_is_exact_for_the_rule_in_both_directions():
     assert len(fast[0]) > 30
     assert all(np.array_equal(a, b) for a, b in zip(fast, slow))
     assert set(fast[3].tolist()) == set(range(sig.CORPUS_CODES))
+
+
+def test_one_record_lookup_reports_what_the_batch_search_reports_over_all_pairs():
+    # match() (the ingest's lookup, record by record) picks each record's closest code on its
+    # own path; it must agree with the rule evaluated over all pairs, code and distance included,
+    # where an item reaches one record through several codes at distances a tie could confuse.
+    rng = np.random.default_rng(2)
+    index = TestSetIndex(threshold=32)
+    codes = rng.integers(0, 256, (1500, len(sig.CROP_VARIANTS), sig.SIGNATURE_BYTES), dtype=np.uint8)
+    for i in range(len(codes)):
+        index.add("rand", f"k{i}", content_hash=f"h{i}", codes=codes[i])
+    queries = rng.integers(0, 256, (60, sig.CORPUS_CODES, sig.SIGNATURE_BYTES), dtype=np.uint8)
+    for r in range(60):  # every item near 1..3 records, through 1..4 of its codes, 0..34 bits away
+        for target in rng.choice(len(codes), rng.integers(1, 4), replace=False):
+            for slot in rng.choice(sig.CORPUS_CODES, rng.integers(1, 5), replace=False):
+                bits = np.unpackbits(codes[target, rng.integers(codes.shape[1])])
+                bits[rng.choice(sig.CODE_BITS, rng.integers(0, 35), replace=False)] ^= 1
+                queries[r, slot] = np.packbits(bits)
+    for r in range(10):  # ties: the whole-image code exactly INNER_THRESHOLD_OFFSET bits further than an inner one
+        target = codes[rng.integers(len(codes)), 0]
+        for slot, far in ((0, 3 + INNER_THRESHOLD_OFFSET), (1 + r % 6, 3)):
+            bits = np.unpackbits(target)
+            bits[rng.choice(sig.CODE_BITS, far, replace=False)] ^= 1
+            queries[r, slot] = np.packbits(bits)
+    item, rec, dist, code = index.search_corpus(queries, brute=True)
+    want = {i: [] for i in range(len(queries))}
+    for i, r, d, c in zip(item.tolist(), rec.tolist(), dist.tolist(), code.tolist()):
+        want[i].append((d, index.key[r], REVERSE if c else FORWARD))
+    for i in range(len(queries)):
+        got = [(m.distance, m.key, m.direction) for m in index.match("", queries[i].tobytes())]
+        assert got == sorted(want[i]), i
+    assert sum(map(len, want.values())) > 60 and {c > 0 for c in code.tolist()} == {False, True}
 
 
 def test_forward_matches_report_their_direction(photos):
