@@ -154,3 +154,31 @@ def test_the_report_keeps_only_the_audited_test_images(tmp_path, photos):
     load = _test_loader({"t": str(tmp_path)}, {("t", keys[0])})
     assert load("t", keys[0]) is not None
     assert load("t", keys[1]) is None and load("other", keys[0]) is None
+
+
+def test_the_job_finds_test_images_cut_mostly_from_each_side_of_a_corpus_photo(tmp_path, photos, tiles, monkeypatch):
+    # Issue 23: 10% cut from one side and 2% from the others, then JPEG q90; one side a photo, no miss.
+    import random
+
+    from neardup.transforms import _reverse
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "mlruns"))
+    sides = {"left": "astronaut.png", "top": "chelsea.png", "right": "coffee.png", "bottom": "rocket.jpg"}
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "cuts").mkdir()
+    for i, img in enumerate(tiles[:12:3]):
+        img.save(tmp_path / "corpus" / f"distinct_{i}.png")
+    for pos, (side, name) in enumerate(sides.items()):
+        photos[name].save(tmp_path / "corpus" / Path(name).with_suffix(".png").name)
+        box = [0.02] * 4
+        box[pos] = 0.1  # left, top, right, bottom
+        cut = _reverse(*box, quality=90)(photos[name].convert("RGB"), random.Random(pos))
+        cut.save(tmp_path / "cuts" / f"{side}.png")
+    run_prepare(PrepareConfig(input=[str(tmp_path / "corpus")], output=str(tmp_path / "shards"), workers=1))
+
+    result = run(DedupConfig(shards=str(tmp_path / "shards"), test_set=[f"cuts={tmp_path / 'cuts'}"]))
+    removed = {Path(r["source"]).name: Path(r["test_uri"]).stem for r in _removed(tmp_path / "shards")}
+    assert result["new_removals"] == 4, removed
+    assert removed == {Path(name).with_suffix(".png").name: side for side, name in sides.items()}
