@@ -118,6 +118,8 @@ def _role(proc: psutil.Process, root_pid: int) -> str:
         return "beam_worker"
     if "distributed" in cmd or "dask" in cmd or "multiprocessing" in cmd:
         return "dask"
+    if cmd.startswith("ray::") or "/ray/" in cmd:  # Ray's workers and actors, and its own servers
+        return "ray"
     return "other"
 
 

@@ -95,6 +95,7 @@ def test_chain_scale_benchmark_runs_dedup_pretrain_and_reads_after_the_ingest(tm
         assert run["shardset"]["rows"] == int(n) - run["dedup"]["removed"]
         for step in ("ingest", "dedup", "pretrain", "shardset"):
             assert run[step]["peak_rss_mb"] > 0 and run[step]["peak_anon_mb"] > 0 and run[step]["peak_file_mb"] > 0
+        assert run["pretrain"]["peak_mb_by_process_and_kind"]["ray"]["anon"] > 0  # the Ray workers, by name
         probe = run["shardset"]["after_rows"]
         assert probe["anon_mb"] + probe["shmem_mb"] + probe["file_mb"] == pytest.approx(probe["rss_mb"], abs=2)
     for kind in ("", "anon_", "shmem_", "file_", "pss_"):
