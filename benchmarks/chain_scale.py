@@ -11,17 +11,18 @@ subprocess whose whole process tree is sampled every 0.5 s:
 - ``jobs/pretrain.py --config configs/pretrain-demo-tiny.yaml`` (a 4-block Ti/8 at 32 px, two
   Ray workers) for one epoch, or ``--pretrain-steps`` optimiser steps;
 - a ``ShardSet`` probe: open, the first row (which verifies the shard's sha256), then
-  ``--rows`` random rows; it reports its own timings and its resident set before and after
-  (and the part of it that is file-backed, the memory-mapped shards).
+  ``--rows`` random rows; it reports its own timings and its resident set by kind of memory
+  before and after (the file-backed part is the memory-mapped shards).
 
 The dedup writes ``removed.jsonl``, so the pre-training and the probe read the set as a user
 would after it. Between the two largest sizes each step's peak gives a growth in KB per input,
-beside the ingest's own from the same run (the baseline).
+of the resident set and of each of its parts (anonymous, shared memory, file-backed, and the
+proportional set: :data:`ingest_scale.KINDS`), beside the ingest's own from the same run.
 
     python benchmarks/chain_scale.py [--sizes 20000,80000] [--test-size 10000] [--planted 20]
                                      [--pretrain-steps N] [--keep DIR]
 
-The last line printed is one JSON object.
+Before it, on stderr, a table of the peaks by kind of memory. The last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -79,8 +80,7 @@ def make_test_set(folder: Path, corpus: list[Path], n: int, planted: int, seed: 
 
 
 def _rss(proc: psutil.Process) -> dict:
-    m = proc.memory_info()
-    return {"rss_mb": round(m.rss / 2**20), "file_backed_mb": round(m.shared / 2**20)}
+    return {f"{kind}_mb": round(v / 2**20) for kind, v in ingest_scale.memory_by_kind(proc.pid).items()}
 
 
 def probe_shards(directory: str, rows: int) -> dict:
@@ -128,9 +128,12 @@ def run_pretrain(shards: Path, output: Path, env: dict, steps: int | None) -> di
 
 
 def run_probe(shards: Path, env: dict, rows: int) -> dict:
+    """The probe's own figures (too short a run for the sampler): its ``ru_maxrss``, and by kind after the rows."""
     cmd = [sys.executable, __file__, "--probe", str(shards), "--rows", str(rows)]
-    out, wall, _ = ingest_scale.run_sampled(cmd, env)  # too short for the sampler: the probe's own peak
-    return {"wall_s": round(wall, 1), **json.loads(out.strip().splitlines()[-1])}
+    out, wall, _ = ingest_scale.run_sampled(cmd, env)
+    probe = json.loads(out.strip().splitlines()[-1])
+    after = {f"peak_{kind}_mb": probe["after_rows"][f"{kind}_mb"] for kind in ingest_scale.KINDS if kind != "rss"}
+    return {"wall_s": round(wall, 1), **after, **probe}
 
 
 def chain(n: int, corpus: Path, test_set: Path, tmp: Path, args) -> dict:
@@ -144,13 +147,13 @@ def chain(n: int, corpus: Path, test_set: Path, tmp: Path, args) -> dict:
     return run
 
 
-def growth(runs: dict[int, dict]) -> dict:
-    """Each step's peak growth in KB per input between the two largest sizes."""
+def growth(runs: dict[int, dict], kind: str = "rss") -> dict:
+    """Each step's growth of its peak ``kind`` of memory, in KB per input, between the two largest sizes."""
     if len(runs) < 2:
         return {}
     a, b = sorted(runs)[-2:]
-    return {step: round((runs[b][step]["peak_rss_mb"] - runs[a][step]["peak_rss_mb"]) * 1024 / (b - a), 2)
-            for step in runs[b]}
+    key = f"peak_{kind}_mb"
+    return {step: round((runs[b][step][key] - runs[a][step][key]) * 1024 / (b - a), 2) for step in runs[b]}
 
 
 def main() -> None:
@@ -185,11 +188,17 @@ def main() -> None:
         for n in sizes:
             runs[n] = chain(n, corpora[n], test_set, tmp, args)
             print(f"chain {n}: {json.dumps(runs[n])}", file=sys.stderr, flush=True)
+    kinds = [k for k in ingest_scale.KINDS if k != "rss"]
+    slopes = {kind: growth(runs, kind) for kind in ingest_scale.KINDS}
+    rows = {f"{step} {n}": r for n, run in runs.items() for step, r in run.items()}
+    print(ingest_scale.table(rows, {step: {k: slopes[k][step] for k in slopes} for step in slopes["rss"]}),
+          file=sys.stderr)
     print(json.dumps({
         "benchmark": "chain_scale", "figure": "growth_kb_per_input", "size": args.size, "workers": args.workers,
         "test_size": args.test_size, "planted": args.planted, "pretrain_config": PRETRAIN_CONFIG.name,
         "pretrain_steps": args.pretrain_steps, "sizes": {str(n): r for n, r in runs.items()},
-        "growth_kb_per_input": growth(runs), "baseline": "ingest (the same run's prepare)",
+        "growth_kb_per_input": slopes["rss"], **{f"growth_{k}_kb_per_input": slopes[k] for k in kinds},
+        "baseline": "ingest (the same run's prepare)",
         "load_average": [round(x, 2) for x in os.getloadavg()], "machine": machine.describe(),
     }))
 

@@ -8,11 +8,13 @@ corpora are hard links to the first files of the largest, so every run reads the
 
 ``prepare`` runs as a subprocess (the real entrypoint, ``--size 256``), once per size, and a
 sampler reads the resident set of its whole process tree (the driver, the Beam workers or the
-Dask cluster) every 0.5 s with psutil. Per size: the wall time, the peak of the tree and the
-peak of each kind of process. Between sizes: the marginal rate, the extra inputs over the
+Dask cluster) every 0.5 s from ``/proc``, split into anonymous, shared-memory and file-backed
+pages, and the proportional set (see :data:`KINDS`). Per size: the wall time, the tree's peak
+of each kind of memory and the peaks of each kind of process. Between sizes: the marginal rate, the extra inputs over the
 extra seconds (start-up cancels). Over the sizes: the growth of the peak with
-the inputs, in KB per input, between the two largest sizes (see :func:`summarise`), and the peak
-it extrapolates to for 1.28M inputs (ImageNet-1k).
+the inputs, in KB per input, between the two largest sizes (see :func:`summarise`), of the
+resident set and of each of its parts, and the peak it extrapolates to for 1.28M inputs
+(ImageNet-1k).
 
 ``--baseline-repo DIR`` runs the same sizes with another checkout's ``jobs/prepare.py`` and
 code (for example main before a change), in the same session and under the same load.
@@ -20,7 +22,7 @@ code (for example main before a change), in the same session and under the same 
     python benchmarks/ingest_scale.py [--sizes 5000,20000,80000] [--runner direct|dask] [--workers 2]
                                       [--baseline-repo /path/to/checkout] [--keep DIR]
 
-The last line printed is one JSON object.
+Before it, on stderr, a table of the peaks by kind of memory. The last line printed is one JSON object.
 """
 from __future__ import annotations
 
@@ -119,17 +121,56 @@ def _role(proc: psutil.Process, root_pid: int) -> str:
     return "other"
 
 
+# What a resident set is made of (Linux, /proc/PID/status): anonymous pages are memory the
+# process holds; file-backed pages (memory-mapped shards, libraries) are page cache the
+# kernel can drop and read again; shared memory (Ray's object store, /dev/shm) is real memory
+# that every process mapping it counts. "pss" (smaps_rollup) divides each shared page among
+# the processes that map it, so the tree's sum counts it once.
+KINDS = ("rss", "anon", "shmem", "file", "pss")
+
+
+def _kb_fields(path: str, names: tuple[str, ...]) -> dict[str, int]:
+    out = {}
+    with open(path) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in names:
+                out[name] = int(rest.split()[0]) << 10
+    return out
+
+
+def memory_by_kind(pid: int) -> dict[str, int]:
+    """Bytes resident in process ``pid`` by kind (:data:`KINDS`); psutil's split where /proc lacks one."""
+    try:
+        st = _kb_fields(f"/proc/{pid}/status", ("VmRSS", "RssAnon", "RssFile", "RssShmem"))
+        pss = _kb_fields(f"/proc/{pid}/smaps_rollup", ("Pss",))
+        return {"rss": st["VmRSS"], "anon": st["RssAnon"], "shmem": st["RssShmem"], "file": st["RssFile"],
+                "pss": pss["Pss"]}
+    except (OSError, KeyError):
+        m = psutil.Process(pid).memory_info()
+        shared = getattr(m, "shared", 0)
+        return {"rss": m.rss, "anon": m.rss - shared, "shmem": 0, "file": shared, "pss": m.rss}
+
+
 class TreeSampler:
-    """The peak resident set of a process and all its descendants, and per kind of process."""
+    """The peak resident set of a process and all its descendants, by kind of memory and of process.
+
+    Each kind's peak is the largest sum over the tree at one sample; the kinds' peaks may
+    come from different samples, so they need not add up to the resident set's.
+    """
 
     def __init__(self, pid: int, every: float = 0.5):
         self.pid, self.every = pid, every
-        self.peak = 0
-        self.by_role: dict[str, int] = {}
-        self.trace: list[tuple[float, dict[str, int]]] = []  # (seconds, MB by kind of process)
+        self.peak_by_kind = dict.fromkeys(KINDS, 0)
+        self.by_role: dict[str, dict[str, int]] = {}  # kind of process -> its peak of each kind of memory
+        self.trace: list[tuple[float, dict]] = []  # (seconds, RSS MB by kind of process and the tree's MB by kind)
         self._t0 = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @property
+    def peak(self) -> int:
+        return self.peak_by_kind["rss"]
 
     def _sample(self) -> None:
         try:
@@ -137,19 +178,25 @@ class TreeSampler:
             procs = [root, *root.children(recursive=True)]
         except psutil.Error:
             return
-        total, roles = 0, {}
+        total, roles = dict.fromkeys(KINDS, 0), {}
         for p in procs:
             try:
-                rss = p.memory_info().rss
+                mem = memory_by_kind(p.pid)
             except psutil.Error:
                 continue
-            total += rss
-            role = _role(p, self.pid)
-            roles[role] = roles.get(role, 0) + rss
-        self.peak = max(self.peak, total)
-        self.trace.append((round(time.perf_counter() - self._t0, 1), {k: v >> 20 for k, v in roles.items()}))
-        for role, rss in roles.items():
-            self.by_role[role] = max(self.by_role.get(role, 0), rss)
+            role = roles.setdefault(_role(p, self.pid), dict.fromkeys(KINDS, 0))
+            for kind, v in mem.items():
+                total[kind] += v
+                role[kind] += v
+        for kind, v in total.items():
+            self.peak_by_kind[kind] = max(self.peak_by_kind[kind], v)
+        for name, mem in roles.items():
+            peak = self.by_role.setdefault(name, dict.fromkeys(KINDS, 0))
+            for kind, v in mem.items():
+                peak[kind] = max(peak[kind], v)
+        self.trace.append((round(time.perf_counter() - self._t0, 1),
+                           {**{k: v["rss"] >> 20 for k, v in roles.items()},
+                            "tree_mb": {k: v >> 20 for k, v in total.items()}}))
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -190,8 +237,11 @@ def run_sampled(cmd: list[str], env: dict[str, str], trace: Path | None = None) 
 
 
 def peaks(sampler: TreeSampler) -> dict:
-    return {"peak_rss_mb": round(sampler.peak / 2**20),
-            "peak_rss_mb_by_process": {k: round(v / 2**20) for k, v in sorted(sampler.by_role.items())}}
+    """The tree's peak of each kind of memory, and each kind of process's own peaks, in MB."""
+    mb = {f"peak_{kind}_mb": round(v / 2**20) for kind, v in sampler.peak_by_kind.items()}
+    return {**mb, "peak_rss_mb_by_process": {k: round(v["rss"] / 2**20) for k, v in sorted(sampler.by_role.items())},
+            "peak_mb_by_process_and_kind": {k: {kind: round(b / 2**20) for kind, b in v.items() if kind != "rss"}
+                                            for k, v in sorted(sampler.by_role.items())}}
 
 
 def run_prepare(repo: Path, inputs: Path, output: Path, home: Path, runner: str, workers: int,
@@ -231,8 +281,20 @@ def summarise(runs: dict[int, dict]) -> dict:
             "slope_kb_per_input": round(slope * 1024, 2),
             "slope_kb_per_input_fit_all_sizes": round(fit * 1024, 2),
             "extrapolated_imagenet_gb": round((float(pb) + slope * (IMAGENET - b)) / 1024, 2),
+            **{f"slope_{kind}_kb_per_input": round((runs[b][f"peak_{kind}_mb"] - runs[a][f"peak_{kind}_mb"])
+                                                   * 1024 / (b - a), 2) for kind in KINDS if kind != "rss"},
         })
     return out
+
+
+def table(rows: dict[str, dict], slopes: dict[str, dict] | None = None) -> str:
+    """A text table of each row's wall time and peak MB by kind of memory, and the slopes in KB per input."""
+    head = f"{'':<22}{'wall s':>8}" + "".join(f"{'peak ' + k + ' MB':>14}" for k in KINDS)
+    lines = [head] + [f"{name:<22}{r['wall_s']:>8}" + "".join(f"{r[f'peak_{k}_mb']:>14,}" for k in KINDS)
+                      for name, r in rows.items()]
+    for name, by_kind in (slopes or {}).items():
+        lines.append(f"{name + ' KB/input':<30}" + "".join(f"{by_kind[k]:>14}" for k in KINDS))
+    return "\n".join(lines)
 
 
 def measure(repo: Path, corpora: dict[int, Path], tmp: Path, runner: str, workers: int, size: int,
@@ -286,7 +348,11 @@ def main() -> None:
                                                    for n in sizes)
         else:
             result["baseline"] = {"source": "issue 24, measured before the change", **ISSUE_BEFORE}
+    result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     result["machine"] = machine.describe()
+    if len(sizes) > 1:
+        slopes = {"slope": {k: result["slope_kb_per_input" if k == "rss" else f"slope_{k}_kb_per_input"] for k in KINDS}}
+        print(table({str(n): r for n, r in result["sizes"].items()}, slopes), file=sys.stderr)
     print(json.dumps(result))
 
 

@@ -5,6 +5,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -65,6 +67,15 @@ def test_ingest_scale_benchmark_reports_the_slope_per_input_last(tmp_path):
     assert [s["written"] for s in report["sizes"].values()] == [20, 40]
     assert all(s["peak_rss_mb"] >= s["peak_rss_mb_by_process"]["driver"] > 0 for s in report["sizes"].values())
     assert "slope_kb_per_input" in report and "extrapolated_imagenet_gb" in report
+    for s in report["sizes"].values():
+        # The resident set splits into anonymous, shared-memory and file-backed pages (each its own
+        # peak, so within a sample's rounding of the whole); a Python process holds both of the others.
+        assert 0 < s["peak_anon_mb"] < s["peak_rss_mb"] and 0 < s["peak_file_mb"] < s["peak_rss_mb"]
+        assert s["peak_anon_mb"] + s["peak_shmem_mb"] + s["peak_file_mb"] >= s["peak_rss_mb"] - 2
+        assert 0 < s["peak_pss_mb"] <= s["peak_rss_mb"] * 1.05  # status and smaps_rollup are read apart
+        assert s["peak_mb_by_process_and_kind"]["driver"]["anon"] > 0
+    for kind in ("anon", "shmem", "file", "pss"):
+        assert isinstance(report[f"slope_{kind}_kb_per_input"], float)
     assert report["baseline"]["slope_kb_per_input"] == 15.0  # the figure, before the change
 
 
@@ -82,5 +93,9 @@ def test_chain_scale_benchmark_runs_dedup_pretrain_and_reads_after_the_ingest(tm
         assert run["pretrain"]["steps"] == 2
         # The probe reads the set as dedup left it: the removed rows are gone.
         assert run["shardset"]["rows"] == int(n) - run["dedup"]["removed"]
-        assert all(run[step]["peak_rss_mb"] > 0 for step in ("ingest", "dedup", "pretrain", "shardset"))
-    assert set(report["growth_kb_per_input"]) == {"ingest", "dedup", "pretrain", "shardset"}
+        for step in ("ingest", "dedup", "pretrain", "shardset"):
+            assert run[step]["peak_rss_mb"] > 0 and run[step]["peak_anon_mb"] > 0 and run[step]["peak_file_mb"] > 0
+        probe = run["shardset"]["after_rows"]
+        assert probe["anon_mb"] + probe["shmem_mb"] + probe["file_mb"] == pytest.approx(probe["rss_mb"], abs=2)
+    for kind in ("", "anon_", "shmem_", "file_", "pss_"):
+        assert set(report[f"growth_{kind}kb_per_input"]) == {"ingest", "dedup", "pretrain", "shardset"}
