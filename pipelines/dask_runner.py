@@ -23,6 +23,12 @@ shares its input saw every element twice. :class:`DaskRunner` makes each side in
 ordinary dependency of the consuming tasks, computed once on the cluster and passed to them
 as a list.
 
+**Outputs kept with the task.** The stock ``ParDo`` passes its output receivers as a task
+argument and leaves the whole bundle's outputs in them; a worker keeps a task's arguments
+until its result is released, which before a shuffle is when every partition has reached it.
+So each decode task kept its records, images included, for most of the run (issue 24).
+:func:`_apply_dofn` empties them when the bundle ends.
+
 **Only the last step runs.** The runner computes the Dask graph of the last transform
 applied and nothing else; a branch that does not feed it is silently skipped. Not worked
 around: the ingest's last step collects every output it has.
