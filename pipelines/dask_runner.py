@@ -23,6 +23,12 @@ shares its input saw every element twice. :class:`DaskRunner` makes each side in
 ordinary dependency of the consuming tasks, computed once on the cluster and passed to them
 as a list.
 
+**Outputs kept with the task.** The stock ``ParDo`` passes its output receivers as a task
+argument and leaves the whole bundle's outputs in them; a worker keeps a task's arguments
+until its result is released, which before a shuffle is when every partition has reached it.
+So each decode task kept its records, images included, for most of the run (issue 24).
+:func:`_apply_dofn` empties them when the bundle ends.
+
 **Only the last step runs.** The runner computes the Dask graph of the last transform
 applied and nothing else; a branch that does not feed it is silently skipped. Not worked
 around: the ingest's last step collects every output it has.
@@ -88,14 +94,28 @@ class _SideSpec:
     window_fn: object
 
 
+def _apply_dofn(items, invoker_args, invoker_kwargs, receivers):
+    """Beam's ``apply_dofn_to_bundle``, then its receivers emptied.
+
+    The receivers are an argument of the task, so the worker keeps them with the task's spec
+    until the task's result is released, and Beam leaves every output of the bundle in them:
+    a task whose result waits for a shuffle (every ``GroupByKey`` and combine) kept all it
+    emitted, decoded images included, until the shuffle had every partition.
+    """
+    try:
+        return _te.apply_dofn_to_bundle(items, invoker_args, invoker_kwargs, receivers)
+    finally:
+        receivers.values.clear()
+
+
 def _apply_dofn_with_side_inputs(items, invoker_args, invoker_kwargs, receivers, specs, *side_values):
-    """Beam's ``apply_dofn_to_bundle`` with the side inputs' computed values rebuilt into SideInputMaps."""
+    """:func:`_apply_dofn` with the side inputs' computed values rebuilt into SideInputMaps."""
     maps = [
         SideInputMap(spec.view_class, spec.view_options,
                      [_te.get_windowed_value(v, spec.window_fn) for v in values])
         for spec, values in zip(specs, side_values)
     ]
-    return _te.apply_dofn_to_bundle(items, invoker_args, dict(invoker_kwargs, side_inputs=maps), receivers)
+    return _apply_dofn(items, invoker_args, dict(invoker_kwargs, side_inputs=maps), receivers)
 
 
 def _concat(partitions) -> list:
@@ -131,14 +151,17 @@ _TRANSLATIONS = dict(_te.TRANSLATIONS)
 
 
 class _ParDo(_te.ParDo):
-    """Beam's Dask ParDo, but side inputs are computed once, as dependencies of this step's tasks."""
+    """Beam's Dask ParDo, but side inputs are computed once, as dependencies of this step's tasks,
+    and a finished task keeps none of its outputs (:func:`_apply_dofn`)."""
 
     def apply(self, input_bag, side_inputs=None):
+        invoker_args, invoker_kwargs, receivers = _invoker_arguments(self)
         if not side_inputs:
-            return super().apply(input_bag, side_inputs)
+            return input_bag.map(_te.get_windowed_value, _window_fn(self)).map_partitions(
+                _apply_dofn, invoker_args, invoker_kwargs, receivers,
+            )
         import dask
 
-        invoker_args, invoker_kwargs, receivers = _invoker_arguments(self)
         specs, values = [], []
         for sim in side_inputs:
             it = sim._iterable  # Beam's DaskBagWindowedIterator: the producer's bag and window fn
