@@ -86,13 +86,19 @@ def test_unrelated_photos_are_not_found_in_either_direction(photos, tiles):
     assert item.size == 0, [(int(i), index.key[r], int(d)) for i, r, d in zip(item, rec, dist)]
 
 
-def test_search_corpus_is_exact_for_the_rule_in_both_directions():
-    rng = np.random.default_rng(1)
+def _random_index_and_queries(rng, records: int, items: int):
+    """An index of ``records`` random test records (every crop variant) at 32 bits, their codes,
+    and ``items`` random corpus items' codes to plant near copies in."""
     index = TestSetIndex(threshold=32)
-    codes = rng.integers(0, 256, (2000, len(sig.CROP_VARIANTS), sig.SIGNATURE_BYTES), dtype=np.uint8)
+    codes = rng.integers(0, 256, (records, len(sig.CROP_VARIANTS), sig.SIGNATURE_BYTES), dtype=np.uint8)
     for i in range(len(codes)):
         index.add("rand", f"k{i}", content_hash=f"h{i}", codes=codes[i])
-    queries = rng.integers(0, 256, (200, sig.CORPUS_CODES, sig.SIGNATURE_BYTES), dtype=np.uint8)
+    return index, codes, rng.integers(0, 256, (items, sig.CORPUS_CODES, sig.SIGNATURE_BYTES), dtype=np.uint8)
+
+
+def test_search_corpus_is_exact_for_the_rule_in_both_directions():
+    rng = np.random.default_rng(1)
+    index, codes, queries = _random_index_and_queries(rng, 2000, 200)
     for r in range(100):  # near copies of a variant, planted in either code, 0..40 bits away
         slot, target, variant = r % sig.CORPUS_CODES, rng.integers(len(codes)), rng.integers(codes.shape[1])
         bits = np.unpackbits(codes[target, variant])
@@ -110,11 +116,7 @@ def test_one_record_lookup_reports_what_the_batch_search_reports_over_all_pairs(
     # own path; it must agree with the rule evaluated over all pairs, code and distance included,
     # where an item reaches one record through several codes at distances a tie could confuse.
     rng = np.random.default_rng(2)
-    index = TestSetIndex(threshold=32)
-    codes = rng.integers(0, 256, (1500, len(sig.CROP_VARIANTS), sig.SIGNATURE_BYTES), dtype=np.uint8)
-    for i in range(len(codes)):
-        index.add("rand", f"k{i}", content_hash=f"h{i}", codes=codes[i])
-    queries = rng.integers(0, 256, (60, sig.CORPUS_CODES, sig.SIGNATURE_BYTES), dtype=np.uint8)
+    index, codes, queries = _random_index_and_queries(rng, 1500, 60)
     for r in range(60):  # every item near 1..3 records, through 1..4 of its codes, 0..34 bits away
         for target in rng.choice(len(codes), rng.integers(1, 4), replace=False):
             for slot in rng.choice(sig.CORPUS_CODES, rng.integers(1, 5), replace=False):
