@@ -53,13 +53,13 @@ def _pid_alive(pid: Any) -> bool:
 
 
 class FolderLock:
-    """The lock of ``stage`` on the folder ``url`` (which exists), held from ``acquire`` (or
-    ``__enter__``) to ``release``. ``what`` names the folder in the refusal ("output", "--output")."""
+    """The lock of ``stage`` on the output folder ``url`` (which exists), held from ``acquire`` (or
+    ``__enter__``) to ``release``."""
 
-    def __init__(self, url: str, stage: str, *, what: str = "output"):
+    def __init__(self, url: str, stage: str):
         self.fs, root = _fs(str(url))
         self.path = f"{root}/{lock_name(stage)}"
-        self.stage, self.label = stage, f"{what} {url}"
+        self.stage, self.label = stage, f"output {url}"
         self.info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "token": uuid.uuid4().hex}
         self._fd: int | None = None
         self._held = False

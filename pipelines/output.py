@@ -33,7 +33,7 @@ SET_FILES = (schema.QUARANTINE, schema.DUPLICATES)
 
 
 class OutputError(InputError):
-    """The output folder is held by another run, or holds a shard set this run may not replace."""
+    """The output folder holds a shard set of other inputs, which this run may not replace."""
 
 
 def _norm_sources(sources: Sequence[str]) -> list[str]:
