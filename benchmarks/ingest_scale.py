@@ -325,6 +325,8 @@ def main() -> None:
     args = ap.parse_args()
     sizes = sorted(int(s) for s in args.sizes.split(","))
     runner = "DirectRunner" if args.runner == "direct" else "dask"
+    if args.traces:
+        args.traces.mkdir(parents=True, exist_ok=True)
 
     with tempfile.TemporaryDirectory(prefix="vitscale-ingest-scale-") as tmp:
         tmp = Path(tmp)

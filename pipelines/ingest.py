@@ -329,6 +329,9 @@ def _write_shard(group, out_url: str, staging_url: str, label_map: Mapping[str, 
                     schema.SOURCE: r["uri"], schema.CONTENT_HASH: r["content_hash"], schema.PHASH: r["phash"],
                 } for image, r in blobs.read_records(kept[start:start + schema.BATCH_ROWS])]
                 writer.write_table(schema.records_to_table(rows))
+                # Arrow's allocator (mimalloc) otherwise keeps what each batch freed: a worker
+                # held about a shard's size more after writing one, and more again after the next.
+                pa.default_memory_pool().release_unused()
         uris = [r["uri"] for _, r in blobs.read_records([d for d, _ in dropped])]
     Metrics.counter(NAMESPACE, "written").inc(len(kept))
     Metrics.counter(NAMESPACE, "bytes_written").inc(sink.size)
@@ -380,6 +383,7 @@ def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, par
         flags += [f"--direct_num_workers={cfg.workers}", f"--direct_running_mode={mode}"]
         if not _in_process(cfg):
             local_runner.flush_by_size_only()  # Beam's periodic flush drops elements (local_runner)
+            local_runner.pin_mmap_threshold()  # the driver's buffers go back when freed (issue 24)
         if not _in_process(cfg) and not any(o.startswith("--environment_type") for o in cfg.beam_options):
             # Local worker processes: serve them on loopback only, and keep their
             # start-up chatter off the terminal (a user's own flags come later and win).

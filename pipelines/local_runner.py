@@ -92,6 +92,35 @@ def direct_runner(options):
         beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)))
 
 
+#: glibc's ``mallopt`` parameter for the mmap threshold (``M_MMAP_THRESHOLD`` in malloc.h).
+_M_MMAP_THRESHOLD = -3
+#: glibc's initial threshold: a block this large or larger is its own mapping, unmapped when freed.
+MMAP_THRESHOLD = 128 * 1024
+
+
+def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Fix glibc's mmap threshold in this process, so that freed large buffers go back to the system.
+
+    glibc raises the threshold to the size of each mapped block freed (up to 32 MB); blocks
+    below it then come from the heap, which keeps them when they are freed while anything
+    still lives above them. The multi-worker DirectRunner's driver passes every element
+    through buffers of that size (the data plane, the shuffle), and its resident set grew
+    with the corpus that way; with the threshold fixed, only by what the shuffle itself holds
+    (issue 24; benchmarks/README.md, "Ingest memory at scale"). The driver decodes nothing in
+    that mode, so the extra mappings do not slow the ingest.
+
+    Returns whether it was set: False where the C library has no ``mallopt`` (macOS).
+    """
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+
+
 def flush_by_size_only() -> None:
     """Turn off the DirectRunner's time-based data flushing, which drops elements (idempotent)."""
     from apache_beam.runners.portability.fn_api_runner import worker_handlers
