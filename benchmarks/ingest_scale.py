@@ -1,4 +1,4 @@
-"""Ingest memory and throughput against corpus size: ``jobs/prepare.py`` on 5k, 20k and 80k photo crops.
+"""Ingest memory and throughput against corpus size: ``jobs/prepare.py`` on 20k, 80k and 160k photo crops.
 
 The question (issue 24) is how far one machine carries the embedded default: does the peak
 memory of the job grow with the number of inputs, and does the rate hold? Each corpus is N
@@ -19,7 +19,7 @@ resident set and of each of its parts, and the peak it extrapolates to for 1.28M
 ``--baseline-repo DIR`` runs the same sizes with another checkout's ``jobs/prepare.py`` and
 code (for example main before a change), in the same session and under the same load.
 
-    python benchmarks/ingest_scale.py [--sizes 5000,20000,80000] [--runner direct|dask] [--workers 2]
+    python benchmarks/ingest_scale.py [--sizes 20000,80000,160000] [--runner direct|dask] [--workers 2]
                                       [--baseline-repo /path/to/checkout] [--keep DIR]
 
 Before it, on stderr, a table of the peaks by kind of memory. The last line printed is one JSON object.
@@ -261,9 +261,10 @@ def summarise(runs: dict[int, dict]) -> dict:
     """Rates between sizes, and the peak's growth per input between the two largest sizes.
 
     The slope is taken between the two largest sizes, not fitted through all of them: a
-    corpus of fewer shards than workers has fewer shard writers running at once, and each
-    holds a batch of images, so the first sizes mix that step into the per-input cost. The
-    fit over every size is given too.
+    corpus of fewer shards than workers has fewer shard writers running at once, each holding
+    a batch of images, and a worker's first shard leaves it a little larger than it found it,
+    so sizes below about two shards per worker (about 45k of these crops with 2
+    workers) mix those fixed costs into the per-input one. The fit over every size is given too.
     """
     sizes = sorted(runs)
     peak = np.array([runs[s]["peak_rss_mb"] for s in sizes], float)
@@ -313,7 +314,7 @@ def measure(repo: Path, corpora: dict[int, Path], tmp: Path, runner: str, worker
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="5000,20000,80000", help="corpus sizes, comma-separated")
+    ap.add_argument("--sizes", default="20000,80000,160000", help="corpus sizes, comma-separated")
     ap.add_argument("--runner", choices=("direct", "dask"), default="direct")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--size", type=int, default=256, help="prepare --size")

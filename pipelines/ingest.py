@@ -383,7 +383,6 @@ def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, par
         flags += [f"--direct_num_workers={cfg.workers}", f"--direct_running_mode={mode}"]
         if not _in_process(cfg):
             local_runner.flush_by_size_only()  # Beam's periodic flush drops elements (local_runner)
-            local_runner.pin_mmap_threshold()  # the driver's buffers go back when freed (issue 24)
         if not _in_process(cfg) and not any(o.startswith("--environment_type") for o in cfg.beam_options):
             # Local worker processes: serve them on loopback only, and keep their
             # start-up chatter off the terminal (a user's own flags come later and win).
@@ -682,7 +681,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                 with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0), \
                         interrupts(reaper):
                     runner = local_runner.direct_runner(options) if _direct(run_cfg) else None
-                    with beam.Pipeline(runner=runner, options=options) as p:
+                    # The multi-worker driver's buffers go back to the system when freed (issue 24).
+                    pinned = (local_runner.mmap_threshold_pinned() if _direct(run_cfg) and not _in_process(run_cfg)
+                              else contextlib.nullcontext())
+                    with pinned, beam.Pipeline(runner=runner, options=options) as p:
                         build_pipeline(p, plan, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
                                        fs.unstrip_protocol(staging), channel)
                 watch.finish()

@@ -27,8 +27,10 @@ terminal, while warnings from this project's modules still reach it.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from typing import Iterator
 
 _WILDCARDS = ("[::]", "0.0.0.0", "")
 _lock = threading.Lock()
@@ -119,6 +121,27 @@ def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
+
+
+#: Where glibc's dynamic threshold stops rising on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``).
+THRESHOLD_CEILING = 32 * 1024 * 1024
+
+
+@contextlib.contextmanager
+def mmap_threshold_pinned(threshold: int = MMAP_THRESHOLD) -> Iterator[bool]:
+    """:func:`pin_mmap_threshold` for the length of the block; yields whether it was set.
+
+    The setting is process-wide, and a fixed small threshold slows numerical work that maps
+    and unmaps its large arrays each time (a CPU training step in the same process, as in
+    the demo or a test session). So at the end the threshold goes to :data:`THRESHOLD_CEILING`,
+    the value glibc's own threshold climbs to in a process that frees large blocks.
+    """
+    pinned = pin_mmap_threshold(threshold)
+    try:
+        yield pinned
+    finally:
+        if pinned:
+            pin_mmap_threshold(THRESHOLD_CEILING)
 
 
 def flush_by_size_only() -> None:

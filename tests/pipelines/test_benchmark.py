@@ -100,3 +100,13 @@ def test_chain_scale_benchmark_runs_dedup_pretrain_and_reads_after_the_ingest(tm
         assert probe["anon_mb"] + probe["shmem_mb"] + probe["file_mb"] == pytest.approx(probe["rss_mb"], abs=2)
     for kind in ("", "anon_", "shmem_", "file_", "pss_"):
         assert set(report[f"growth_{kind}kb_per_input"]) == {"ingest", "dedup", "pretrain", "shardset"}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_mmap_threshold_benchmark_times_each_mode_against_the_default():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "mmap_threshold.py"), "--repeats", "1",
+                          "--steps", "2"], capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["benchmark"] == "mmap_threshold" and report["baseline"] == "default"
+    assert set(report["ms_per_step"]) == {"default", "pinned", "ceiling"}
+    assert all(ms > 0 for ms in report["ms_per_step"].values())
