@@ -163,8 +163,10 @@ _RETAINED = textwrap.dedent("""
 def test_a_pinned_mmap_threshold_gives_freed_buffers_back_for_the_length_of_the_block(tmp_path):
     """Why the multi-worker driver pins the threshold: its data-plane buffers stayed resident when freed."""
     def retained_mb(mode: str) -> float:
+        # A clean environment: no MALLOC_* settings or preloaded allocator from the session.
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
         out = subprocess.run([sys.executable, "-c", _RETAINED, mode], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])})
+                             env=env)
         return float(out.stdout)
 
     assert retained_mb("default") > 100  # 31 freed 4 MB blocks kept on the heap
