@@ -175,11 +175,14 @@ def from_folders(cfg: VtabPrepareConfig) -> dict[str, Any]:
                           f"{cfg.train_size} and {cfg.val_size}; give smaller --train-size/--val-size")
     test_files = [(p, c) for c, ps in test.items() for p in ps]
     out.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="vtab-prepare-") as tmp:
-        label_map = Path(tmp) / "label_map.json"
-        label_map.write_text(json.dumps({c: i for i, c in enumerate(classes)}))
-        counts = {name: _ingest(files, out / name, label_map, cfg, Path(tmp) / f"{name}.jsonl")
-                  for name, files in ((cfg.train_name, train_files), (cfg.val_name, val_files), ("test", test_files))}
+    # The split listings and the label map stay in the task folder, beside the splits: each split's
+    # shard set names its listing as its input, so a run again over the same folders names the same
+    # input and may replace the set. (Listings in a temporary folder had a new name each run, and a
+    # second run into the same output was refused as "a shard set of other inputs".)
+    label_map = out / "label_map.json"
+    atomic_write(label_map, json.dumps({c: i for i, c in enumerate(classes)}))
+    counts = {name: _ingest(files, out / name, label_map, cfg, out / f"{name}.inputs.jsonl")
+              for name, files in ((cfg.train_name, train_files), (cfg.val_name, val_files), ("test", test_files))}
     return {"output": str(out), "classes": len(classes), "counts": counts}
 
 

@@ -74,7 +74,8 @@ def test_folders_converter_writes_three_splits_with_one_label_map(tasks):
 
 def test_folders_converter_repeats_its_keys_and_names_the_original_files(tasks, tmp_path, monkeypatch):
     """The same folders converted again give the same keys in the same order, so a split's
-    training order and few-shot draws repeat; each row's source is the image it came from."""
+    training order and few-shot draws repeat; each row's source is the image it came from; and
+    a conversion run again into its own output replaces it."""
     from pipelines.schema import ShardSet
     from training.data import shard_keys
     from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
@@ -82,7 +83,11 @@ def test_folders_converter_repeats_its_keys_and_names_the_original_files(tasks, 
     raw = tasks["count"].parent / "raw" / "count"
     assert (raw / "train").is_dir()
     monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "home"))
-    run_vtab_prepare(VtabPrepareConfig(source="folders", input=str(raw), output=str(tmp_path / "again"), size=32, **SIZES))
+    again_cfg = VtabPrepareConfig(source="folders", input=str(raw), output=str(tmp_path / "again"), size=32, **SIZES)
+    run_vtab_prepare(again_cfg)
+    # Into the same output once more: the same inputs, so the sets are replaced, not refused as
+    # "a shard set of other inputs" (the listings once lived in a new temporary folder each run).
+    run_vtab_prepare(again_cfg)
     for split in ("train800", "val200", "test"):
         first, again = ShardSet(tasks["count"] / split), ShardSet(tmp_path / "again" / split)
         assert shard_keys(first) == shard_keys(again)
