@@ -108,7 +108,7 @@ def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
     still lives above them. The multi-worker DirectRunner's driver passes every element
     through buffers of that size (the data plane, the shuffle), and its resident set grew
     with the corpus that way; with the threshold fixed, only by what the shuffle itself holds
-    (issue 24; benchmarks/README.md, "Ingest memory at scale"). The driver decodes nothing in
+    (issue 24; benchmarks/README.md, "The two holders found, and the DirectRunner bounded"). The driver decodes nothing in
     that mode, so the extra mappings do not slow the ingest.
 
     Returns whether it was set: False where the C library has no ``mallopt`` (macOS).

@@ -148,9 +148,9 @@ def _ingest(files: list[tuple[Path, str]], out: Path, label_map: Path, cfg: Vtab
     ``key`` (a hash of that uri) is the same on every run over the same folders: the split's row
     order, and with it training order and few-shot draws, repeats. (Copies in a temporary folder
     gave every run new keys, and sources that no longer existed.)"""
-    with open(manifest, "w", encoding="utf-8", errors="surrogateescape") as f:
-        for path, cls in files:
-            f.write(json.dumps({"uri": str(path.resolve()), "label": cls}) + "\n")
+    # Whole or not at all: a run beside this one reads the same listing.
+    atomic_write(manifest, "".join(json.dumps({"uri": str(path.resolve()), "label": cls}) + "\n"
+                                   for path, cls in files).encode("utf-8", "surrogateescape"))
     result = run_prepare(PrepareConfig(input=[str(manifest)], output=str(out), size=cfg.size, upscale=cfg.upscale,
                                        workers=cfg.workers, label_map=str(label_map)))
     return result["counts"]
