@@ -273,6 +273,44 @@ def test_combines_are_lifted_one_accumulator_per_bundle_crosses_the_shuffle(clus
     assert {"count": n} in got and {"mean": (n - 1) / 2} in got and {"empty_sum": 0} in got
 
 
+_FRAGMENTED_HEAP = """
+import ctypes, json, sys
+from pipelines.dask_runner import give_back_freed_memory
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, (ctypes.c_size_t,)
+libc.free.argtypes = (ctypes.c_void_p,)
+
+def anon():
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("RssAnon")) >> 10
+
+base = anon()
+big, small = [], []
+for _ in range(2000):  # 100 KB blocks (under the mmap threshold: from the heap), each pinned by a small one after it
+    b = libc.malloc(100_000)
+    ctypes.memset(b, 1, 100_000)
+    big.append(b)
+    small.append(libc.malloc(64))
+for b in big:
+    libc.free(b)
+kept = anon()
+ran = give_back_freed_memory(0)
+print(json.dumps({"grown": kept - base, "after": anon() - base, "ran": ran, "again": give_back_freed_memory(3600)}))
+"""
+
+
+def test_a_worker_gives_freed_heap_pages_back(tmp_path):
+    """What a Dask worker calls after each bundle: free chunks glibc cannot trim off its heap's top go back."""
+    env = dict(_env())
+    env.pop("MALLOC_TRIM_THRESHOLD_", None)  # a LocalCluster elsewhere in the session may have set it
+    out = subprocess.run([sys.executable, "-c", _FRAGMENTED_HEAP], env=env, capture_output=True, text=True,
+                         check=True, cwd=REPO)
+    got = json.loads(out.stdout.splitlines()[-1])
+    assert got["ran"] and not got["again"]  # at most once per interval
+    assert got["grown"] > 100, got  # MB: freed, but kept by the heap
+    assert got["after"] < 30, got
+
+
 # -- the ingest on Dask against the DirectRunner -----------------------------------------------
 
 
