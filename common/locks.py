@@ -54,13 +54,19 @@ def _pid_alive(pid: Any) -> bool:
 
 class FolderLock:
     """The lock of ``stage`` on the output folder ``url`` (which exists), held from ``acquire`` (or
-    ``__enter__``) to ``release``."""
+    ``__enter__``) to ``release``.
 
-    def __init__(self, url: str, stage: str):
+    ``writer`` names the stage that holds it when another stage writes into that stage's folder:
+    ``dedup`` writes ``removed.jsonl`` into a shard set, so it takes the folder's ``prepare`` lock as
+    ``writer="dedup"``, and a refused run is told which of the two is writing there.
+    """
+
+    def __init__(self, url: str, stage: str, writer: str | None = None):
         self.fs, root = _fs(str(url))
         self.path = f"{root}/{lock_name(stage)}"
         self.stage, self.label = stage, f"output {url}"
-        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "token": uuid.uuid4().hex}
+        self.info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "token": uuid.uuid4().hex,
+                     "stage": writer or stage}
         self._fd: int | None = None
         self._held = False
 
@@ -72,7 +78,8 @@ class FolderLock:
         self.release()
 
     def _busy(self, holder: dict, fix: str) -> FolderBusy:
-        return FolderBusy(f"{self.label}: another {self.stage} run is writing there ({_holder_text(holder)}); {fix}")
+        stage = holder.get("stage") if isinstance(holder.get("stage"), str) else self.stage
+        return FolderBusy(f"{self.label}: another {stage} run is writing there ({_holder_text(holder)}); {fix}")
 
     def acquire(self) -> None:
         if is_local(self.fs):

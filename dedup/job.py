@@ -15,6 +15,7 @@ from PIL import Image
 from common import tracking
 from common.config import check
 from common.jobenv import durable_path
+from common.locks import FolderLock
 from dedup.rescan import rescan
 from neardup.index import IndexOutdated, TestSetIndex
 from neardup.report import pick_for_audit, write_report
@@ -105,38 +106,40 @@ def run(cfg: DedupConfig) -> dict:
     params = dataclasses.asdict(cfg)
     record = shard_set_record(shard_dir, role="checked")
     name = f"dedup {record['name']} vs {', '.join(sources) or 'saved test sets'}"
-    with tracking.start_run("dedup", params=params, parent_run_id=cfg.parent_run_id, run_name=name,
-                            tags=tracking.run_tags(cfg, data=[record])) as run_:
-        tracking.log_shard_inputs([record])
-        base = _load_or_discard(index_dir, cfg.threshold)
-        index = build_test_set_index(sources, threshold=cfg.threshold, base=base)
-        index.save(index_dir)
-        result = rescan(shard_dir, index, run_id=run_.info.run_id)
-        # What the data has now, this run's removals included.
-        tracking.set_tags({tracking.TAG_DEDUP_STATE: shard_set_record(shard_dir)["dedup_state"]})
-        summary = {
-            "message": result.summary(), "nothing_new": result.nothing_new,
-            "shards_total": result.shards_total, "shards_checked": result.shards_checked,
-            "pairs_checked": result.pairs_checked, "rows_scanned": result.rows_scanned,
-            "new_removals": len(result.new_matches), "removals_per_test_set": result.matches_per_test_set,
-            "rule_changed": result.rule_changed,
-            "test_images": index.counts(), "test_quarantined": len(index.quarantine),
-            "threshold": index.threshold, "mlflow_run_id": run_.info.run_id,
-        }
-        tracking.log_metrics({"new_removals": len(result.new_matches), "shards_checked": result.shards_checked,
-                              "rows_scanned": result.rows_scanned, "test_quarantined": len(index.quarantine),
-                              **{f"removed.{k}": v for k, v in result.matches_per_test_set.items()}})
-        tracking.log_dict(summary, "dedup_summary.json")
-        if index.quarantine:
-            tracking.log_dict([dataclasses.asdict(q) for q in index.quarantine], "test_set_quarantine.json")
-        if not result.nothing_new:
-            # The loaders keep the pixels of the audited pairs only, not of every match (memory grew with them).
-            audited = [m for group in pick_for_audit(result.new_matches) for m in group]
-            paths = write_report(report_dir, result.new_matches, test_images=index.counts(),
-                                 corpus_images=int(num_rows if num_rows is not None else result.rows_scanned),
-                                 threshold=index.threshold, load_corpus=_corpus_loader(shard_dir, {m["key"] for m in audited}),
-                                 load_test=_test_loader(sources, {(m["test_set"], m["matched_key"]) for m in audited}))
-            for p in paths.values():
-                tracking.log_artifact(p, "dedup_report")
-            summary["report_dir"] = str(report_dir)
+    # removed.jsonl, the index and the report go into the shard set: one writer at a time, dedup or prepare.
+    with FolderLock(str(shard_dir), "prepare", writer="dedup"):
+        with tracking.start_run("dedup", params=params, parent_run_id=cfg.parent_run_id, run_name=name,
+                                tags=tracking.run_tags(cfg, data=[record])) as run_:
+            tracking.log_shard_inputs([record])
+            base = _load_or_discard(index_dir, cfg.threshold)
+            index = build_test_set_index(sources, threshold=cfg.threshold, base=base)
+            index.save(index_dir)
+            result = rescan(shard_dir, index, run_id=run_.info.run_id)
+            # What the data has now, this run's removals included.
+            tracking.set_tags({tracking.TAG_DEDUP_STATE: shard_set_record(shard_dir)["dedup_state"]})
+            summary = {
+                "message": result.summary(), "nothing_new": result.nothing_new,
+                "shards_total": result.shards_total, "shards_checked": result.shards_checked,
+                "pairs_checked": result.pairs_checked, "rows_scanned": result.rows_scanned,
+                "new_removals": len(result.new_matches), "removals_per_test_set": result.matches_per_test_set,
+                "rule_changed": result.rule_changed,
+                "test_images": index.counts(), "test_quarantined": len(index.quarantine),
+                "threshold": index.threshold, "mlflow_run_id": run_.info.run_id,
+            }
+            tracking.log_metrics({"new_removals": len(result.new_matches), "shards_checked": result.shards_checked,
+                                  "rows_scanned": result.rows_scanned, "test_quarantined": len(index.quarantine),
+                                  **{f"removed.{k}": v for k, v in result.matches_per_test_set.items()}})
+            tracking.log_dict(summary, "dedup_summary.json")
+            if index.quarantine:
+                tracking.log_dict([dataclasses.asdict(q) for q in index.quarantine], "test_set_quarantine.json")
+            if not result.nothing_new:
+                # The loaders keep the pixels of the audited pairs only, not of every match (memory grew with them).
+                audited = [m for group in pick_for_audit(result.new_matches) for m in group]
+                paths = write_report(report_dir, result.new_matches, test_images=index.counts(),
+                                     corpus_images=int(num_rows if num_rows is not None else result.rows_scanned),
+                                     threshold=index.threshold, load_corpus=_corpus_loader(shard_dir, {m["key"] for m in audited}),
+                                     load_test=_test_loader(sources, {(m["test_set"], m["matched_key"]) for m in audited}))
+                for p in paths.values():
+                    tracking.log_artifact(p, "dedup_report")
+                summary["report_dir"] = str(report_dir)
     return summary

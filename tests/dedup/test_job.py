@@ -71,6 +71,25 @@ def test_job_removes_planted_duplicates_incrementally(corpus, monkeypatch):
     assert sorted(runs["metrics.new_removals"].tolist()) == [0.0, 1.0, 2.0]
 
 
+def test_dedup_and_prepare_never_write_one_shard_set_at_once(corpus, monkeypatch):
+    """dedup writes removed.jsonl, its index and report into the shard set, so it takes the set's prepare lock."""
+    from common.locks import FolderBusy, FolderLock
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    monkeypatch.setenv("VITSCALE_HOME", str(corpus / "mlruns"))
+    shards = corpus / "shards"
+    files = {p.relative_to(shards): p.stat().st_mtime_ns for p in shards.rglob("*")}
+    with FolderLock(str(shards), "prepare"):
+        with pytest.raises(FolderBusy, match=r"another prepare run is writing there \(pid \d+ on "):
+            run(DedupConfig(shards=str(shards), test_set=[f"set_a={corpus / 'set_a'}"]))
+    with FolderLock(str(shards), "prepare", writer="dedup"):
+        with pytest.raises(FolderBusy, match=r"another dedup run is writing there \(pid \d+ on "):
+            run_prepare(PrepareConfig(input=[str(corpus / "corpus")], output=str(shards), size=160, workers=1,
+                                      shard_mb=0.05))
+    assert {p.relative_to(shards): p.stat().st_mtime_ns for p in shards.rglob("*")} == files  # neither wrote
+
+
 def _index_keys(shards: Path, test_set: str):
     from neardup.index import TestSetIndex
 
