@@ -39,10 +39,11 @@ shuffle ("combiner lifting"); Beam's DaskRunner runs every ``CombinePerKey`` as 
 ``Distinct`` and ``ToList`` over the corpus therefore sent one element per input through a
 task shuffle, and a task shuffle keeps its split pieces in the workers' memory until every
 partition has been split: the ingest's four counts of every input were most of the workers'
-growth, which reached 8.8 KB per input, until decoding ended (issue 24). :func:`overrides` replaces each
-``CombinePerKey`` without side inputs by Beam's own ``LiftedCombinePerKey`` (a ``ParDo`` that
-combines a bundle into one accumulator per key and emits it from ``finish_bundle``, the
-``GroupByKey``, then a merge), so one accumulator per key and partition crosses the shuffle.
+growth, which reached 8.8 KB per input, until decoding ended (issue 24). :func:`overrides`
+replaces each ``CombinePerKey`` without side inputs by Beam's own ``LiftedCombinePerKey`` (a
+``ParDo`` that combines a bundle into one accumulator per key and emits it from
+``finish_bundle``, the ``GroupByKey``, then a merge), so one accumulator per key and partition
+crosses the shuffle.
 
 **Freed memory kept.** A worker decodes images between long-lived small objects, so glibc keeps
 what each bundle frees as free chunks inside its heap; :func:`give_back_freed_memory` returns
@@ -315,7 +316,7 @@ class _Result(_beam_dask.DaskRunnerResult):
 
 
 class DaskRunner(_beam_dask.DaskRunner):
-    """Beam 2.77's DaskRunner with side inputs computed once on the cluster, combines lifted, and the client closed after."""
+    """Beam 2.77's DaskRunner: side inputs computed once on the cluster, combines lifted, the client closed after."""
 
     def run_pipeline(self, pipeline, options):
         import dask
