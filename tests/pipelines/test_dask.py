@@ -509,7 +509,11 @@ def test_a_worker_killed_mid_run_loses_nothing(cluster, corpus, direct_run, tmp_
         killed, held = None, 0
         deadline = time.monotonic() + 240
         while proc.poll() is None and time.monotonic() < deadline:
-            if any(out.glob(".staging-*/blobs/*.bin")):
+            try:
+                spilled = any(out.glob(".staging-*/blobs/*.bin"))
+            except FileNotFoundError:  # the run removed its staging folder as the glob listed it
+                spilled = False
+            if spilled:
                 has_what = client.has_what()
                 addr = max(has_what, key=lambda a: len(has_what[a]))
                 held = len(has_what[addr])

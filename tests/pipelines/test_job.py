@@ -113,7 +113,11 @@ def _swapping(out: Path) -> bool:
 def _signal_when(proc, out: Path, ready, sig) -> bool:
     deadline = time.monotonic() + 240
     while proc.poll() is None and time.monotonic() < deadline:
-        if ready(out):
+        try:
+            now = ready(out)
+        except FileNotFoundError:  # the run removed a folder as the check listed it: not the moment yet
+            now = False
+        if now:
             proc.send_signal(sig)
             proc.communicate(timeout=120)
             return True
