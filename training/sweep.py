@@ -21,6 +21,7 @@ from common import progress, tracking
 from common.cli import Interrupted, interrupts
 from common.config import ConfigError
 from common.fs import atomic_open, atomic_write
+from training import tune_state
 
 STATE_FILE = "sweep_state.json"
 
@@ -46,16 +47,20 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
     # Save the sweep's state after every event, not every 10 s or more: a sweep killed just after
     # a trial finished must not run that trial again on resume. The state is a few kB per trial.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "0")
-    storage = output / "ray"
+    storage, files = output / "ray", tune_state.storage()
     trainable = tune.with_resources(trainable, resources)
-    if tune.Tuner.can_restore(str(storage / name)):
-        tuner = tune.Tuner.restore(str(storage / name), trainable=trainable, resume_errored=True)
+    folder = storage / name
+    if tune.Tuner.can_restore(str(folder), storage_filesystem=files) and tune_state.prepare_resume(folder, prog):
+        # param_space again: were the grid's state lost after all, Tune would otherwise start
+        # an experiment of one trial with an empty config.
+        tuner = tune.Tuner.restore(str(folder), trainable=trainable, param_space=param_space,
+                                   resume_errored=True, storage_filesystem=files)
     else:
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
             tune_config=tune.TuneConfig(metric=metric, mode="max", max_concurrent_trials=max_concurrent or None),
-            run_config=tune.RunConfig(name=name, storage_path=str(storage), verbose=0,
+            run_config=tune.RunConfig(name=name, storage_path=str(storage), storage_filesystem=files, verbose=0,
                                       callbacks=[TrialLines(f"{prog} {name}", label, metric)],
                                       failure_config=tune.FailureConfig(max_failures=max_failures)),
         )

@@ -1,4 +1,6 @@
-"""training.sweep: Tune sweeps retry failed trials, and a resumed sweep refuses changed flags."""
+"""training.sweep: Tune sweeps retry failed trials, resume from any kill, and refuse changed flags."""
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,74 @@ def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path):
     grid = tune_sweep(flaky, {**space, "x": 3}, name="gives-up", output=tmp_path / "out", resources={"cpu": 1},
                       metric="score", max_failures=1)
     assert len(grid.errors) == 1 and (tmp_path / "attempts-3").read_text() == "2"
+
+
+def _grid_trial(config):
+    """Counts its runs; the second trial saves the grid's state as the sweep has saved it so far."""
+    import glob
+    import shutil
+
+    from ray import tune
+
+    runs = Path(config["dir"]) / f"runs-{config['x']}"
+    runs.write_text(runs.read_text() + "x" if runs.exists() else "x")
+    if config["x"] == 2:
+        (Path(config["dir"]) / "early").mkdir()
+        for f in glob.glob(str(Path(config["dir"]) / "out" / "ray" / "g" / "basic-variant-state-*.json")):
+            shutil.copy(f, Path(config["dir"]) / "early")
+    tune.report({"score": float(config["x"])})
+
+
+def _grid_sweep(tmp_path, capsys=None):
+    from ray import tune
+
+    init_ray(None)
+    grid = tune_sweep(_grid_trial, {"x": tune.grid_search([1, 2, 3]), "dir": str(tmp_path)}, name="g",
+                      output=tmp_path / "out", resources={"cpu": 1}, metric="score", max_concurrent=1)
+    assert sorted(r.metrics["score"] for r in grid) == [1.0, 2.0, 3.0] and not grid.errors
+    return [(tmp_path / f"runs-{x}").read_text() for x in (1, 2, 3)]
+
+
+def test_a_resume_follows_the_trials_recorded_not_an_older_grid_state(tmp_path):
+    # A kill between Tune's copies of its two state files left the grid's position behind the
+    # trials recorded: the resumed grid generated a finished trial again, or waited on it forever.
+    assert _grid_sweep(tmp_path) == ["x", "x", "x"]
+    folder = tmp_path / "out" / "ray" / "g"
+    [saved] = folder.glob("basic-variant-state-*.json")
+    early = list((tmp_path / "early").iterdir())
+    assert early and early[0].read_bytes() != saved.read_bytes()
+    shutil.copy(early[0], saved)  # the grid as saved before trial 3 was made, beside the whole experiment state
+    assert _grid_sweep(tmp_path) == ["x", "x", "x"]  # nothing ran again
+
+
+def test_a_state_file_cut_short_moves_the_sweep_aside_in_one_line_and_runs_it_again(tmp_path, capsys):
+    # Tune copied its state files by truncating and writing them: a kill mid-copy left an empty
+    # grid state, and the resume started an experiment of one trial with no config (KeyError).
+    assert _grid_sweep(tmp_path) == ["x", "x", "x"]
+    folder = tmp_path / "out" / "ray" / "g"
+    [saved] = folder.glob("basic-variant-state-*.json")
+    saved.write_bytes(b"")  # as the kill left it before Tune's files were written whole
+    shutil.rmtree(tmp_path / "early")
+    capsys.readouterr()
+    assert _grid_sweep(tmp_path) == ["xx", "xx", "xx"]
+    err = capsys.readouterr().err
+    [aside] = (tmp_path / "out" / "ray").glob("g.unreadable-*")
+    line = (f"finetune g: the sweep's saved state in {folder} cannot be read (EOFError); moved it to "
+            f"{aside.name} and running every trial again")
+    assert line in err.splitlines()
+
+
+def test_tunes_storage_writes_a_file_whole_or_not_at_all(tmp_path):
+    import pickle
+
+    from training.tune_state import storage
+
+    fs = pickle.loads(pickle.dumps(storage()))  # as Tune ships it to its trial actors
+    target = tmp_path / "state.json"
+    target.write_text("old")
+    stream = fs.open_output_stream(str(target))
+    stream.write(b"new, half writ")
+    assert target.read_text() == "old"  # a kill here leaves the old file
+    stream.write(b"ten")
+    stream.close()
+    assert target.read_text() == "new, half written" and os.listdir(tmp_path) == ["state.json"]

@@ -1,0 +1,146 @@
+"""A Tune sweep's saved state, kept whole through a kill and consistent before a resume.
+
+Tune copies its experiment state (the trials) and its grid's state (how far the grid has been
+generated) into the sweep's folder after every event. :func:`storage` makes each copied file
+appear whole or not at all. :func:`prepare_resume` then sets the grid's position from the trials
+the experiment state records: a kill between the two copies otherwise ran a finished trial
+again, or waited on it forever. A state that still cannot be read is moved aside, and the sweep
+starts again in one line.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import os
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow
+import pyarrow.fs
+
+from common import progress
+from common.fs import TMP_MARKER, atomic_write
+
+EXPERIMENT_STATE = "experiment_state-*.json"
+GRID_STATE = "basic-variant-state-*.json"
+
+
+class _RenamedWhenClosed(io.FileIO):
+    """A file written under a temporary name beside ``path`` that becomes ``path`` on close."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+        super().__init__(f"{path}{TMP_MARKER}{uuid.uuid4().hex}", "wb")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        os.replace(self.name, self._path)
+
+
+class _WholeFiles(pyarrow.fs.FSSpecHandler):
+    def open_output_stream(self, path, metadata):
+        return pyarrow.PythonFile(_RenamedWhenClosed(path), mode="w")
+
+
+def storage() -> pyarrow.fs.FileSystem:
+    """The local disk as Tune's ``storage_filesystem``: a file appears only once it is whole."""
+    import fsspec
+
+    return pyarrow.fs.PyFileSystem(_WholeFiles(fsspec.filesystem("file")))
+
+
+def _load(path: str):
+    from ray.tune.utils.serialization import _loads_with_cloudpickle
+
+    with open(path, "rb") as f:
+        return _loads_with_cloudpickle(f.read())
+
+
+def _load_pickle(path: str):
+    import ray.cloudpickle as cloudpickle
+
+    with open(path, "rb") as f:
+        return cloudpickle.load(f)
+
+
+def _newest(folder: Path, pattern: str) -> str | None:
+    paths = glob.glob(str(folder / pattern))
+    return max(paths) if paths else None  # what Tune loads: the names end in the session's start time
+
+
+def prepare_resume(folder: Path, prog: str) -> bool:
+    """Make the sweep saved in ``folder`` safe for ``Tuner.restore``; False if it must start again.
+
+    Leftover temporary files are removed. An unreadable state moves the folder aside (its trials
+    run again) and returns False, after one line on the console. A grid whose saved position
+    differs from the trials the experiment state records is set to that number of trials.
+    """
+    for leftover in folder.glob(f"*{TMP_MARKER}*"):
+        leftover.unlink(missing_ok=True)
+    experiment, grid = _newest(folder, EXPERIMENT_STATE), _newest(folder, GRID_STATE)
+    if experiment is None:
+        return True  # nothing of ours to check: Tune says what it makes of the folder
+    try:
+        trials = [_trial_json(t) for t in _load(experiment)["trial_data"]]
+        state = _load_pickle(grid) if grid else None
+    except Exception as exc:  # cut short, or not Tune's: anything that stops Tune restoring it
+        aside = folder.with_name(f"{folder.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.replace(folder, aside)
+        print(f"{prog} {folder.name}: the sweep's saved state in {folder} cannot be read "
+              f"({type(exc).__name__}); moved it to {aside.name} and running every trial again",
+              file=progress.console()[0], flush=True)
+        return False
+    if state and _set_grid_position(state, trials):
+        atomic_write(grid, _dumps(state))
+    return True
+
+
+def _trial_json(entry) -> dict:
+    import json
+
+    data = entry[0] if isinstance(entry, (list, tuple)) else entry
+    return json.loads(data) if isinstance(data, str) else data
+
+
+def _dumps(state) -> bytes:
+    import ray.cloudpickle as cloudpickle
+
+    return cloudpickle.dumps(state)
+
+
+def _set_grid_position(state: dict, trials: list[dict]) -> bool:
+    """Put Tune's grid generator (its saved ``state``) just past the ``trials`` the experiment holds.
+
+    Only a plain grid is touched: one experiment, one sample, no preset points, variants listed
+    eagerly. Its variants are generated again (a grid's order is fixed) and the first
+    ``len(trials)`` skipped; the trials still to finish are the ones it counts as live, which is
+    what holds ``max_concurrent``. Returns whether anything changed.
+    """
+    from ray.tune.search.basic_variant import _VariantIterator
+    from ray.tune.search.variant_generator import generate_variants
+
+    iterators = state.get("_iterators") or []
+    if len(iterators) != 1:
+        return False
+    it = iterators[0]
+    if it.num_samples != 1 or it.points_to_evaluate or it.num_points_to_evaluate or it.lazy_eval:
+        return False
+    live = {t["trial_id"] for t in trials if t.get("status") != "TERMINATED"}
+    n = len(trials)
+    if it.counter == n and state.get("_live_trials") == live:
+        return False
+    variants = list(generate_variants(it.unresolved_spec, constant_grid_search=it.constant_grid_search,
+                                      random_state=it.random_state))
+    if n > len(variants):
+        return False
+    if n:
+        it.variants, it.num_samples_left = _VariantIterator(variants[n:], lazy_eval=False), 0
+    else:
+        it.variants, it.num_samples_left = None, it.num_samples
+    it.counter = n
+    state["_live_trials"] = live
+    state["_finished"] = n == len(variants)
+    return True
