@@ -59,13 +59,6 @@ def _load(path: str):
         return _loads_with_cloudpickle(f.read())
 
 
-def _load_pickle(path: str):
-    import ray.cloudpickle as cloudpickle
-
-    with open(path, "rb") as f:
-        return cloudpickle.load(f)
-
-
 def _newest(folder: Path, pattern: str) -> str | None:
     paths = glob.glob(str(folder / pattern))
     return max(paths) if paths else None  # what Tune loads: the names end in the session's start time
@@ -78,6 +71,8 @@ def prepare_resume(folder: Path, prog: str) -> bool:
     run again) and returns False, after one line on the console. A grid whose saved position
     differs from the trials the experiment state records is set to that number of trials.
     """
+    from ray.tune.utils.util import _load_newest_checkpoint
+
     for leftover in folder.glob(f"*{TMP_MARKER}*"):
         leftover.unlink(missing_ok=True)
     experiment, grid = _newest(folder, EXPERIMENT_STATE), _newest(folder, GRID_STATE)
@@ -85,7 +80,7 @@ def prepare_resume(folder: Path, prog: str) -> bool:
         return True  # nothing of ours to check: Tune says what it makes of the folder
     try:
         trials = [_trial_json(t) for t in _load(experiment)["trial_data"]]
-        state = _load_pickle(grid) if grid else None
+        state = _load_newest_checkpoint(str(folder), GRID_STATE)  # Tune's loader, as its restore
     except Exception as exc:  # cut short, or not Tune's: anything that stops Tune restoring it
         aside = folder.with_name(f"{folder.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(folder, aside)
