@@ -88,6 +88,11 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def tmp_name(path: str) -> str:
+    """The name a file is written under beside ``path`` before it is renamed to ``path``."""
+    return f"{path}{TMP_MARKER}{uuid.uuid4().hex}"
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, fs=None, mode: str = "wb") -> Iterator[Any]:
     """A file that appears at ``path`` only once it is completely written and closed.
@@ -101,7 +106,7 @@ def atomic_open(path: str | os.PathLike, fs=None, mode: str = "wb") -> Iterator[
     if fs is None:
         fs, path = url_to_fs(path)
     path = os.fspath(path)
-    tmp = f"{path}{TMP_MARKER}{uuid.uuid4().hex}"
+    tmp = tmp_name(path)
     local = is_local(fs)
     text = {"encoding": "utf-8"} if mode == "w" else {}
     try:

@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import glob
 import io
+import json
 import os
 import time
-import uuid
 from pathlib import Path
 
 import pyarrow
 import pyarrow.fs
 
 from common import progress
-from common.fs import TMP_MARKER, atomic_write
+from common.fs import TMP_MARKER, atomic_write, tmp_name
 
 EXPERIMENT_STATE = "experiment_state-*.json"
 GRID_STATE = "basic-variant-state-*.json"
@@ -31,7 +31,7 @@ class _RenamedWhenClosed(io.FileIO):
 
     def __init__(self, path: str) -> None:
         self._path = path
-        super().__init__(f"{path}{TMP_MARKER}{uuid.uuid4().hex}", "wb")
+        super().__init__(tmp_name(path), "wb")
 
     def close(self) -> None:
         if self.closed:
@@ -71,6 +71,7 @@ def prepare_resume(folder: Path, prog: str) -> bool:
     run again) and returns False, after one line on the console. A grid whose saved position
     differs from the trials the experiment state records is set to that number of trials.
     """
+    import ray.cloudpickle as cloudpickle
     from ray.tune.utils.util import _load_newest_checkpoint
 
     for leftover in folder.glob(f"*{TMP_MARKER}*"):
@@ -89,21 +90,13 @@ def prepare_resume(folder: Path, prog: str) -> bool:
               file=progress.console()[0], flush=True)
         return False
     if state and _set_grid_position(state, trials):
-        atomic_write(grid, _dumps(state))
+        atomic_write(grid, cloudpickle.dumps(state))
     return True
 
 
 def _trial_json(entry) -> dict:
-    import json
-
     data = entry[0] if isinstance(entry, (list, tuple)) else entry
     return json.loads(data) if isinstance(data, str) else data
-
-
-def _dumps(state) -> bytes:
-    import ray.cloudpickle as cloudpickle
-
-    return cloudpickle.dumps(state)
 
 
 def _set_grid_position(state: dict, trials: list[dict]) -> bool:
