@@ -51,7 +51,7 @@ NOISE = (
     r"\(PlacementGroupCleaner pid=",
     r"core_worker\.cc.*PreemptionWatcher",
     r"Failed to send resource request for train-.*safe to ignore",
-    r"\(TrainController pid=[^)]*\)\S* (Requesting resources|- \(ip=)",
+    r"\(TrainController pid=[^)]*\)\S* (Requesting resources|Attempting to start training worker group|- \(ip=)",
     r"\(RayTrainWorker pid=[^)]*\)\S* (Setting up process group|Moving model to device|Wrapping provided model"
     r"|Reporting training result)",
     # Every report with a checkpoint, from Train workers and Tune trials alike.

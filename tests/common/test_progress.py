@@ -156,6 +156,8 @@ def _job(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess:
                   "it's safe to ignore this error.", file=sys.stderr)
             print("\\x1b[36m(TrainController pid=8)\\x1b[0m Traceback (most recent call last):", file=sys.stderr)
             print("\\x1b[36m(TrainController pid=8)\\x1b[0m ray.exceptions.GetTimeoutError: Get timed out", file=sys.stderr)
+            print("\\x1b[36m(TrainController pid=8)\\x1b[0m Attempting to start training worker group of size 2 "
+                  "with the following resources: [{{'CPU': 1}}] * 2", file=sys.stderr)
             print("\\x1b[36m(TrainController pid=8)\\x1b[0m Started training worker group of size 2:", file=sys.stderr)
             line = ProgressLine("job")
             for i in range(cfg.n):
@@ -175,7 +177,7 @@ def test_the_console_hides_known_noise_and_keeps_real_warnings_and_progress(tmp_
     err = r.stderr.splitlines()
     assert "WARNING: disk almost full" in err
     assert not any("GCSFileSystem" in line or "PlacementGroupCleaner" in line or "GetTimeoutError" in line
-                   or "resource request" in line for line in err), err
+                   or "resource request" in line or "Attempting to start" in line for line in err), err
     assert any("Started training worker group" in line for line in err)
     assert [line for line in err if line.startswith("job:")] == ["job: 1/2", "job: 2/2", "job: done"]
     assert '"n": 2' in r.stdout
