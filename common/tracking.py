@@ -54,6 +54,9 @@ TAG_CONFIG_HASH = "vitscale.config_hash"
 # The params that say where and how a run executed (common.config.not_recipe): the report folds them.
 TAG_NOT_RECIPE = "vitscale.not_recipe"
 TAG_INPUT_MANIFEST = "vitscale.input_manifest_sha256"
+#: What the main input holds (``pipelines.schema.content_sha256``): the same for every re-ingest of
+#: the same images, so the report ranks such runs together.
+TAG_INPUT_DATA = "vitscale.input_data_sha256"
 TAG_OUTPUT_MANIFEST = "vitscale.output_manifest_sha256"
 TAG_DEDUP_STATE = "vitscale.dedup_state"
 TAG_SHARD_VERIFY = "vitscale.shard_verify"  # "sha256", or "skipped (VITSCALE_SKIP_SHARD_VERIFY)"
@@ -359,6 +362,8 @@ def run_tags(config: Any = None, *, data: list[Mapping[str, Any]] = (),
         tags[TAG_SHARD_VERIFY] = "sha256" if shard_verify_default() else f"skipped ({SKIP_SHARD_VERIFY_ENV})"
     if main:
         tags[TAG_INPUT_MANIFEST] = join_ids([r["manifest_sha256"] for r in main])
+        if all(r.get("content_sha256") for r in main):
+            tags[TAG_INPUT_DATA] = join_ids([r["content_sha256"] for r in main])
         states = list(dict.fromkeys(r.get("dedup_state") or "none" for r in main))
         state = "; ".join(states)
         upstream = list(dict.fromkeys(m["tags"].get(TAG_DEDUP_STATE) for m in models

@@ -480,6 +480,16 @@ def decode_row_image(
     raise ValueError(f"decode_row_image: unknown format {format!r}; expected one of {FORMATS}")
 
 
+def content_sha256(manifest: dict, removed: Any = ()) -> str:
+    """The digest of what a shard set holds: each shard's name and sha256, the label map and the rows
+    de-duplication removed. The manifest file itself also names the prepare run that wrote it, so
+    every re-ingest of the same images gets a new manifest digest but the same content digest."""
+    content = {"shards": sorted((s["path"], s["sha256"]) for s in manifest.get("shards", [])),
+               "label_map": sorted((manifest.get("label_map") or {}).items()),
+               "removed": sorted(str(k) for k in removed)}
+    return hashlib.sha256(json.dumps(content, separators=(",", ":")).encode()).hexdigest()
+
+
 def shard_set_record(directory: str | os.PathLike, *, role: str | None = None) -> dict[str, Any]:
     """What a run that reads this shard set records about it (``common.tracking.run_tags`` and
     ``log_shard_inputs``): its name and URL, the sha256 of its manifest, the prepare run that wrote
@@ -514,6 +524,7 @@ def shard_set_record(directory: str | os.PathLike, *, role: str | None = None) -
     return {
         "name": name, "url": fs.unstrip_protocol(root), "role": role,
         "manifest_sha256": hashlib.sha256(raw).hexdigest(),
+        "content_sha256": content_sha256(manifest, removed),
         "num_rows": manifest.get("num_rows"),
         "prepare_run_id": manifest.get("mlflow_run_id") or "",
         "dedup_run_ids": runs,

@@ -7,14 +7,14 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 
-from common.tracking import TAG_NOT_RECIPE
+from common.tracking import TAG_INPUT_DATA, TAG_INPUT_MANIFEST, TAG_NOT_RECIPE
 from reports.lineage import LineageIndex, set_name
 from reports.store import STAGES, Run, Store
 
 GROUPS = ("natural", "specialized", "structured")
 # Tags (from the tracking scheme) that say what a run was made of; compared like params.
 WHAT_TAGS = {"vitscale.git_commit": "git commit", "vitscale.config_hash": "config hash",
-             "vitscale.input_manifest_sha256": "input manifest", "vitscale.dedup_state": "dedup state"}
+             TAG_INPUT_DATA: "input data", "vitscale.dedup_state": "dedup state"}
 PRETRAIN_CURVES = ("train_loss", "train_accuracy", "holdout_accuracy", "images_per_second")
 
 
@@ -57,8 +57,9 @@ def _fmt(value: float) -> str:
 
 
 def _digest(run: Run) -> str:
-    """The digest of the manifest(s) a run read: runs are ranked together only when it is the same."""
-    return run.tags.get("vitscale.input_manifest_sha256", "")
+    """What a run read: runs are ranked together only when it is the same. The content digest (shards
+    and label map) where the run logged one; the manifest's digest for runs logged before it."""
+    return run.tags.get(TAG_INPUT_DATA) or run.tags.get(TAG_INPUT_MANIFEST, "")
 
 
 def _group_key(run: Run) -> str:
@@ -128,8 +129,8 @@ def rank(store: Store, runs: list[Run], lineage: LineageIndex) -> list[Ranking]:
             if r.stage == stage and r.status == "FINISHED":
                 by_data.setdefault((_group_key(r), _digest(r) if stage in ("pretrain", "finetune") else ""), []).append(r)
         names = [k for k, _ in by_data]
-        # One folder name for two data sets: the title tells them apart by the manifest's digest.
-        groups = {(f"{k} (manifest {d[:12]})" if d and names.count(k) > 1 else k): m for (k, d), m in by_data.items()}
+        # One folder name for two data sets: the title tells them apart by the digest of what they hold.
+        groups = {(f"{k} (data {d[:12]})" if d and names.count(k) > 1 else k): m for (k, d), m in by_data.items()}
         for key, members in groups.items():
             metric, higher, shown = _key_metric(stage, members)
             missing = float("-inf") if higher else float("inf")

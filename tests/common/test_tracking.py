@@ -147,6 +147,31 @@ def test_run_tags_carry_lineage_transitively():
     assert fine["vitscale.dedup_state"] == "none | pre-training data: ingest vs t: 3 removed"
 
 
+def test_a_shard_sets_content_digest_ignores_which_run_wrote_it_and_sees_every_shard_label_and_removal(tmp_path):
+    import json
+
+    from pipelines.schema import shard_set_record
+
+    def record(run_id: str, sha: str = "1" * 64, label_map: dict | None = None, removed: tuple = ()):
+        folder = tmp_path / run_id
+        folder.mkdir(exist_ok=True)
+        (folder / "manifest.json").write_text(json.dumps({
+            "schema_version": 1, "num_rows": 3, "mlflow_run_id": run_id, "config": {"output": str(folder)},
+            "shards": [{"path": "shard-00000.arrow", "rows": 3, "bytes": 10, "sha256": sha}],
+            "label_map": label_map or {"cat": 0, "dog": 1}}))
+        if removed:
+            (folder / "removed.jsonl").write_text("".join(json.dumps({"key": k}) + "\n" for k in removed))
+        return shard_set_record(folder)
+
+    first, again = record("prep-1"), record("prep-2")
+    assert first["manifest_sha256"] != again["manifest_sha256"]
+    assert first["content_sha256"] == again["content_sha256"]
+    assert tracking.run_tags({}, data=[again])["vitscale.input_data_sha256"] == first["content_sha256"]
+    assert record("prep-3", sha="2" * 64)["content_sha256"] != first["content_sha256"]
+    assert record("prep-4", label_map={"cat": 1, "dog": 0})["content_sha256"] != first["content_sha256"]
+    assert record("prep-5", removed=("k1",))["content_sha256"] != first["content_sha256"]
+
+
 def test_lineage_beside_a_model_and_shard_sets_as_dataset_inputs(mlflow_store, tmp_path):
     shards = tmp_path / "corpus"
     shards.mkdir()

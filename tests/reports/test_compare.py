@@ -107,8 +107,22 @@ def test_pretraining_runs_on_other_data_or_objectives_are_not_ranked_together(ho
     rankings = [r for r in compare.rank(store, compare.selection(store, [], []), LineageIndex(store))
                 if r.stage == "pretrain"]
     assert sorted([r.id for r in ranking.runs] for ranking in rankings) == sorted([[tiny], [big], [mpp], [rewritten]])
-    assert f"pretrain objective classification on corpus (manifest {'c' * 12})" in {r.title for r in rankings}
+    assert f"pretrain objective classification on corpus (data {'c' * 12})" in {r.title for r in rankings}
     assert all(r.verdict.startswith("One run") for r in rankings)
+
+
+def test_re_ingests_of_the_same_images_are_ranked_together_by_what_the_shards_hold(home):
+    # Each prepare writes its own run id into the manifest, so the manifest digests differ.
+    first = log("pretrain", {"data": "/d/corpus"}, {"holdout_accuracy": 0.5},
+                tags={**_manifest("a"), "vitscale.input_data_sha256": "d" * 64})
+    again = log("pretrain", {"data": "/d/corpus"}, {"holdout_accuracy": 0.5},
+                tags={**_manifest("b"), "vitscale.input_data_sha256": "d" * 64})
+    other = log("pretrain", {"data": "/d/corpus"}, {"holdout_accuracy": 0.7},
+                tags={**_manifest("b"), "vitscale.input_data_sha256": "e" * 64})
+    store = open_store(tracking.tracking_uri())
+    rankings = [r for r in compare.rank(store, compare.selection(store, [], []), LineageIndex(store))
+                if r.stage == "pretrain"]
+    assert sorted(sorted(r.id for r in ranking.runs) for ranking in rankings) == sorted([sorted([first, again]), [other]])
 
 
 def test_finetuning_is_ranked_on_the_selection_metric_and_reports_test_as_the_result(home):
