@@ -286,18 +286,20 @@ def dedup_section(runs: list[Run]) -> dict:
             named = {spec.split("=", 1)[0] for spec in r.param_list("test_set") if "=" in spec}
             counts = {**{n: 0 for n in named}, **counts}
             total = r.metrics.get("inputs")
+            written, rejected = r.metrics.get("written"), r.metrics.get("rejected")
         elif r.stage == "dedup":
             counts = {k[len("removed."):]: int(v) for k, v in r.metrics.items() if k.startswith("removed.")}
             named = {spec.split("=", 1)[0] for spec in r.param_list("test_set") if "=" in spec}
             counts = {**{n: 0 for n in named}, **counts}
             exact, total = None, r.metrics.get("rows_scanned")
+            written = rejected = None
         else:
             continue
         test_sets.update(counts)
         # Counts, not measurements: MLflow keeps them as floats, and 0.0 printed as "0.000" images.
-        total = None if total is None else int(total)
-        exact = None if exact is None else int(exact)
-        rows.append({"run": r, "shard_set": set_name(r), "counts": counts, "exact": exact, "total": total})
+        total, exact, written, rejected = (None if v is None else int(v) for v in (total, exact, written, rejected))
+        rows.append({"run": r, "shard_set": set_name(r), "counts": counts, "exact": exact, "total": total,
+                     "written": written, "rejected": rejected})
     return {"rows": rows, "test_sets": sorted(test_sets)}
 
 

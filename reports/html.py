@@ -180,11 +180,11 @@ def _dedup(section: dict, png: bytes | None) -> str:
         return none("No prepare or dedup runs in the selection.")
     sets = section["test_sets"]
     rows = [[run_cell(r["run"]), td(r["run"].stage), td(r["shard_set"]), td(r["total"], numeric=True),
-             td(r["exact"], numeric=True)] + [td(r["counts"].get(t) if t in r["counts"] else None, numeric=True)
-                                                for t in sets]
+             td(r["written"], numeric=True), td(r["rejected"], numeric=True), td(r["exact"], numeric=True)]
+            + [td(r["counts"].get(t) if t in r["counts"] else None, numeric=True) for t in sets]
             for r in rows_in]
-    return (table(["run", "stage", "shard set", "images (prepare: inputs; dedup: rows scanned)",
-                   "exact copies within the set"] + [f"removed: {t}" for t in sets], rows)
+    return (table(["run", "stage", "shard set", "images (prepare: inputs; dedup: rows scanned)", "written",
+                   "quarantined", "exact copies within the set"] + [f"removed: {t}" for t in sets], rows)
             + "<p>prepare removes near-duplicates of the test sets it was given while it ingests; dedup re-checks "
               "an existing shard set against new or changed test sets and lists what it removes in removed.jsonl. "
               "A dash: that run did not check that test set.</p>"

@@ -125,6 +125,16 @@ def test_re_ingests_of_the_same_images_are_ranked_together_by_what_the_shards_ho
     assert sorted(sorted(r.id for r in ranking.runs) for ranking in rankings) == sorted([sorted([first, again]), [other]])
 
 
+def test_a_prepare_that_wrote_nothing_shows_its_written_and_quarantined_counts(home):
+    empty = log("prepare", {"output": "/data/shards/empty"}, {"inputs": 6, "written": 0, "rejected": 6})
+    store = open_store(tracking.tracking_uri())
+    section = compare.dedup_section(compare.selection(store, [], []))
+    row = next(r for r in section["rows"] if r["run"].id == empty)
+    assert (row["total"], row["written"], row["rejected"]) == (6, 0, 6)
+    page = html.render(compare.build(store, compare.selection(store, [], [])), {}, store_uri="x", selection="all")
+    assert "<th>written</th>" in page and "<th>quarantined</th>" in page
+
+
 def test_finetuning_is_ranked_on_the_selection_metric_and_reports_test_as_the_result(home):
     picked_by_val = log("finetune", {**FINETUNE, "output": "/ft/1", "seed": "1"},
                         {"val_accuracy": 0.9, "test_accuracy": 0.70})
