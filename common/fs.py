@@ -6,6 +6,7 @@ complete, so a reader (or a resumed job) never sees half a shard, manifest or st
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -57,7 +58,21 @@ def make_output_dir(path: str | os.PathLike, field_name: str = "output") -> Path
         raise ConfigError(f"{field_name}: {out} cannot be created, a parent is a file; give another directory") from None
     except PermissionError:
         raise ConfigError(f"{field_name}: {out} cannot be created (permission denied); give a writable directory") from None
+    except OSError as exc:
+        if exc.errno != errno.EROFS:
+            raise
+        raise ConfigError(f"{field_name}: {out} is on a read-only file system; give a writable directory") from None
+    if not os.access(out, os.W_OK):
+        why = "on a read-only file system" if _read_only(out) else "not writable by this user"
+        raise ConfigError(f"{field_name}: {out} is {why}; give a writable directory")
     return out
+
+
+def _read_only(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
 
 
 def is_local(fs) -> bool:

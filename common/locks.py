@@ -14,7 +14,9 @@ to end, and a second run is refused in one line that names the holder.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import socket
 import time
@@ -24,6 +26,15 @@ from typing import Any
 from common.config import InputError
 from common.fs import is_local, read_json_object
 from common.fs import url_to_fs as _fs
+
+log = logging.getLogger(__name__)
+
+# Backends whose "xb" fails atomically when the file exists. fsspec leaves exclusive mode to each
+# backend, and its generic path checks, then writes: two runs can both pass the check.
+EXCLUSIVE_CREATE = frozenset({"file", "local", "memory"})
+# Seconds between writing a lock file where "xb" is not atomic and reading it back: a run that
+# checked before another wrote is then the one that reads the other's token.
+SETTLE_S = 1.0
 
 
 class FolderBusy(InputError):
@@ -82,10 +93,9 @@ class FolderLock:
         return FolderBusy(f"{self.label}: another {stage} run is writing there ({_holder_text(holder)}); {fix}")
 
     def acquire(self) -> None:
-        if is_local(self.fs):
-            self._flock()
-        else:
-            self._create_file()
+        if is_local(self.fs) and self._flock():
+            return
+        self._create_file()
 
     def release(self) -> None:
         if self._fd is not None:
@@ -98,17 +108,35 @@ class FolderLock:
                 self.fs.rm(self.path)
         self._held = False
 
-    def _flock(self) -> None:
+    def _open_lock_file(self) -> int:
+        try:
+            return os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise InputError(f"{self.label}: cannot write there ({os.strerror(exc.errno)}: {self.path}); "
+                                 "give a writable folder") from None
+            raise
+
+    def _flock(self) -> bool:
+        """Hold the kernel's lock on the file; False where the filesystem has none (NFS without lockd)."""
         import fcntl
 
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = self._open_lock_file()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 raise self._busy(read_json_object(self.fs, self.path),
                                  "wait for it to finish, or choose another --output") from None
+            except OSError as exc:
+                os.close(fd)
+                log.warning("%s: this filesystem refuses file locks (%s); using the lock file alone, as on an "
+                            "object store", self.path, os.strerror(exc.errno or 0))
+                with contextlib.suppress(OSError):
+                    if os.path.getsize(self.path) == 0:
+                        os.remove(self.path)  # the empty file just created, not a holder's
+                return False
             # The holder before us may have removed the file after we opened it: lock the file at the path.
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
@@ -120,19 +148,28 @@ class FolderLock:
         self._fd = fd
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps(self.info).encode())
+        return True
+
+    def _exclusive(self) -> bool:
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, (tuple, list)) else (self.fs.protocol,)
+        return bool(EXCLUSIVE_CREATE.intersection(protocols))
 
     def _create_once(self) -> bool:
         data = json.dumps(self.info).encode()
-        try:
-            with self.fs.open(self.path, "xb") as f:
-                f.write(data)
-        except FileExistsError:
-            return False
-        except (ValueError, NotImplementedError, TypeError):  # no exclusive mode here: write, then read back
-            if self.fs.exists(self.path):
+        if self._exclusive():
+            try:
+                with self.fs.open(self.path, "xb") as f:
+                    f.write(data)
+            except FileExistsError:
                 return False
-            with self.fs.open(self.path, "wb") as f:
-                f.write(data)
+            return read_json_object(self.fs, self.path).get("token") == self.info["token"]
+        # Elsewhere: check, write, and read back after the settle time; of two runs that both passed
+        # the check, the first to write reads the second's token and stands down.
+        if self.fs.exists(self.path):
+            return False
+        with self.fs.open(self.path, "wb") as f:
+            f.write(data)
+        time.sleep(SETTLE_S)
         return read_json_object(self.fs, self.path).get("token") == self.info["token"]
 
     def _create_file(self) -> None:

@@ -34,3 +34,9 @@ def test_make_output_dir_creates_the_folder_and_names_a_file_in_the_way(tmp_path
         make_output_dir(tmp_path / "f")
     with pytest.raises(ConfigError, match=f"workdir: {tmp_path / 'f' / 'sub'} cannot be created, a parent is a file"):
         make_output_dir(tmp_path / "f" / "sub", "workdir")
+
+
+def test_an_existing_output_folder_on_a_read_only_mount_is_refused_in_one_line(read_only_folder):
+    with pytest.raises(ConfigError) as info:
+        make_output_dir(read_only_folder)
+    assert str(info.value) == f"output: {read_only_folder} is on a read-only file system; give a writable directory"
