@@ -24,8 +24,8 @@ class ExportConfig:
                                  "recipe": False})
     output: str = field(metadata={"help": "the folder to write (new or empty)", "recipe": False})
     label_map: str | None = field(default=None, metadata={
-        "help": "class names in head order, one a line or a JSON list; by default those in the model file, "
-                "else generic names (class_0, ...)", "recipe": False})
+        "help": "class names in head order: one a line, a JSON list or a JSON {name: id} (the forms jobs/prepare.py "
+                "takes); by default those in the model file, else generic names (class_0, ...)", "recipe": False})
 
 
 def export(cfg: ExportConfig) -> None:

@@ -143,24 +143,28 @@ def timm_pretrained_cfg(config: ViTConfig) -> dict:
 
 
 def read_label_map(path: str | os.PathLike) -> list[str]:
-    """Class names in head order from ``path``: a JSON list, or one name a line."""
+    """Class names in head order from ``path``, in the forms jobs/prepare.py's --label-map takes: a JSON
+    ``{"name": id}``, a JSON list of names, or a text file of one name a line (blank lines skipped)."""
     path = os.fspath(path)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         raise TimmExportError("label_map", f"{path}: cannot be read ({e.__class__.__name__}: {e}); pass a text "
-                              "file of class names, one a line or a JSON list") from None
-    if text.lstrip().startswith("["):
-        try:
-            names = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TimmExportError("label_map", f"{path}: not a valid JSON list ({e}); write the class names as "
-                                  '["cat", "dog", ...] or one a line') from None
-    else:
-        names = text.splitlines()
-        while names and not names[-1].strip():
-            names.pop()
+                              "file of class names, one a line, or a JSON list") from None
+    if not (path.endswith(".json") or text.lstrip()[:1] in ("[", "{")):
+        return _check_names([line.strip() for line in text.splitlines() if line.strip()], path, "label_map")
+    try:
+        names = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TimmExportError("label_map", f"{path}: not valid JSON ({e}); write the class names as "
+                              '["cat", "dog", ...], {"cat": 0, "dog": 1, ...} or one a line') from None
+    if isinstance(names, dict):
+        ids = list(names.values())
+        if not all(type(v) is int for v in ids) or sorted(ids) != list(range(len(ids))):
+            raise TimmExportError("label_map", f"{path}: the ids of a {{name: id}} map must be 0..{len(names) - 1}, "
+                                  "each once (one name per head output)")
+        names = sorted(names, key=names.get)
     return _check_names(names, path, "label_map")
 
 

@@ -224,6 +224,7 @@ def test_class_names_come_from_the_label_map_then_the_model_file_then_are_generi
     vitcore.save_checkpoint(model, tmp_path / "named.safetensors", extra_metadata={"labels": '["a", "b", "c"]'})
     (tmp_path / "map.json").write_text('["x", "y", "z"]')
     (tmp_path / "map.txt").write_text("p\nq\nr\n\n")
+    (tmp_path / "prepare_map.json").write_text('{"dog": 1, "cat": 0, "eel": 2}')  # as jobs/prepare.py takes it
 
     def names(src, out, **kw):
         report = export_timm(tmp_path / src, tmp_path / out, **kw)
@@ -234,13 +235,15 @@ def test_class_names_come_from_the_label_map_then_the_model_file_then_are_generi
     assert names("named.safetensors", "o3", label_map=tmp_path / "map.json") == (str(tmp_path / "map.json"),
                                                                                   ["x", "y", "z"])
     assert names("plain.safetensors", "o4", label_map=tmp_path / "map.txt")[1] == ["p", "q", "r"]
+    assert names("plain.safetensors", "o5", label_map=tmp_path / "prepare_map.json")[1] == ["cat", "dog", "eel"]
 
 
 @pytest.mark.parametrize("text, message", [
-    ("a\nb\n", "2 class names for a head of 3 outputs"),
+    ("a\n\nb\n", "2 class names for a head of 3 outputs"),
     ('["a", "b", "a"]', "'a' appears twice"),
-    ("a\n\nc\n", "class names must be non-empty strings"),
-    ('["a", "b"', "not a valid JSON list"),
+    ('["a", "", "c"]', "class names must be non-empty strings"),
+    ('{"a": 0, "b": 1, "c": 3}', "the ids of a {name: id} map must be 0..2, each once"),
+    ('["a", "b"', "not valid JSON"),
 ])
 def test_a_bad_label_map_is_named(tmp_path, text, message):
     vitcore.save_checkpoint(trained("mu/8", img_size=16, num_classes=3, depth=1), tmp_path / "m.safetensors")
