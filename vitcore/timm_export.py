@@ -30,9 +30,9 @@ TIMM_WEIGHTS = "model.safetensors"
 LABELS_KEY = "labels"
 # The timm constructor the config names. Every structural argument is in model_args, so this
 # only picks the closest name a reader recognises; it changes nothing that is computed.
-_ARCHITECTURES = {"Ti": "vit_tiny_patch16_224", "S": "vit_small_patch16_224", "B": "vit_base_patch16_224",
+ARCHITECTURES = {"Ti": "vit_tiny_patch16_224", "S": "vit_small_patch16_224", "B": "vit_base_patch16_224",
                   "L": "vit_large_patch16_224", "H": "vit_huge_patch14_224"}
-_DEFAULT_ARCHITECTURE = "vit_base_patch16_224"
+DEFAULT_ARCHITECTURE = "vit_base_patch16_224"
 _PAPER = "An Image is Worth 16x16 Words: Transformers for Image Recognition at Scale"
 
 
@@ -182,24 +182,26 @@ def _check_names(names, source: str, input: str) -> list[str]:
 
 def _label_names(config: ViTConfig, metadata: dict[str, str], model: str,
                  label_map: str | os.PathLike | None) -> tuple[list[str], str]:
+    """(names, where they came from): ``label_map``, else the model file's metadata, else generic."""
     k = config.num_classes
     if label_map is not None:
+        input, where = "label_map", os.fspath(label_map)
         if k == 0:
-            raise TimmExportError("label_map", f"{os.fspath(label_map)}: {model} has no classification head "
-                                  "(num_classes=0), so it has no classes to name; leave out --label-map")
-        names, source = read_label_map(label_map), os.fspath(label_map)
+            raise TimmExportError(input, f"{where}: {model} has no classification head (num_classes=0), so it "
+                                  "has no classes to name; leave out --label-map")
+        names, source = read_label_map(where), where
     elif metadata.get(LABELS_KEY, "[]") != "[]":
+        input, where = "model", f"{model} (metadata {LABELS_KEY!r})"
         try:
             names = json.loads(metadata[LABELS_KEY])
         except json.JSONDecodeError:
             names = None
-        names, source = _check_names(names, f"{model} (metadata {LABELS_KEY!r})", "model"), "the model file"
+        names, source = _check_names(names, where, input), "the model file"
     else:
         return [f"class_{i}" for i in range(k)], "generic"
     if len(names) != k:
-        raise TimmExportError("label_map" if label_map is not None else "model",
-                              f"{source if label_map is not None else model}: {len(names)} class names for a "
-                              f"head of {k} outputs; give exactly one name per output, in head order")
+        raise TimmExportError(input, f"{where}: {len(names)} class names for a head of {k} outputs; give exactly "
+                              "one name per output, in head order")
     return names, source
 
 
@@ -228,7 +230,7 @@ def export_timm(model: str | os.PathLike, output: str | os.PathLike, *,
     _check_output(output)
     config, sd, metadata = read_checkpoint(model)
     names, source = _label_names(config, metadata, model, label_map)
-    architecture = _ARCHITECTURES.get(config.variant.split("/")[0], _DEFAULT_ARCHITECTURE)
+    architecture = ARCHITECTURES.get(config.variant.split("/")[0], DEFAULT_ARCHITECTURE)
     hub_config = {"architecture": architecture, "num_classes": config.num_classes,
                   "num_features": config.width, "global_pool": "token" if config.classifier == "token" else "avg",
                   "model_args": timm_model_args(config), "pretrained_cfg": timm_pretrained_cfg(config)}
