@@ -72,8 +72,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.append(_Finder())
 '''
 
-# Loads every exported folder named on the command line, runs it on the inputs saved beside it and
-# writes its logits there; prints what timm resolved for each as one JSON line.
+# Arguments: a JSON list of architecture names to look up in timm's registry, then exported folders.
+# Loads each folder, runs it on the inputs saved beside it (also with the other GELU) and writes the
+# logits there; prints the lookups and what timm resolved for each folder as one JSON line.
 TIMM_SIDE = textwrap.dedent('''
     import json, sys
     import timm, torch
