@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -63,8 +64,16 @@ def _entrypoint_configs() -> list[type]:
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "run_job" and node.args:
                 name = node.args[0].id
-                out.append(getattr(importlib.import_module(imported[name]), name))
+                out.append(getattr(importlib.import_module(imported[name]) if name in imported else _load(path), name))
     return out
+
+
+def _load(path: Path):
+    """A job file as a module (its ``__main__`` block does not run): for a config defined in the job."""
+    spec = importlib.util.spec_from_file_location(f"_job_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def existing_flags() -> set[str]:

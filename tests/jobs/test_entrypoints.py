@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-JOBS = ["prepare", "dedup", "pretrain", "finetune", "demo", "vtab", "vtab_prepare", "fewshot"]
+JOBS = ["prepare", "dedup", "pretrain", "finetune", "demo", "vtab", "vtab_prepare", "fewshot", "export"]
 
 
 def run_job(name, *args, env=None, timeout=120):
