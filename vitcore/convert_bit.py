@@ -62,9 +62,9 @@ def bit_npz_to_state_dict(params: Mapping[str, np.ndarray]) -> tuple[dict[str, t
             unused.append(raw)
             continue
         a = np.asarray(value, dtype=np.float32)
-        if a.ndim == 4:
+        if key.endswith("/kernel"):
             a = a.transpose(3, 2, 0, 1)  # HWIO -> OIHW; the head's (1, 1, C, K) becomes (K, C, 1, 1)
-        elif ours.startswith(("norm", "stages")):
+        else:
             a = a.reshape(-1)  # GroupNorm scales were saved as (C,) or broadcast to (1, 1, 1, C)
         sd[ours] = torch.from_numpy(np.ascontiguousarray(a))
     return sd, sorted(unused)
