@@ -10,7 +10,7 @@ import math
 
 from .model import VisionTransformer, ViTConfig
 from .resnet import BiTConfig, ResNetV2
-from .variants import decode_variant, is_bit_variant, resnet_stride
+from .variants import decode_bit_variant, decode_variant, is_bit_variant, resnet_stride
 
 # Dense bf16 peaks in FLOP/s, for model FLOP utilisation (MFU).
 BF16_PEAK_FLOPS = {
@@ -64,8 +64,9 @@ def _config_of(model_or_config, img_size, num_classes) -> ViTConfig | BiTConfig:
     1,000 classes, with `img_size` and `num_classes` applied when given."""
     overrides = {k: v for k, v in (("img_size", img_size), ("num_classes", num_classes)) if v is not None}
     if isinstance(model_or_config, str):
-        spec = decode_variant(model_or_config)
-        kind = BiTConfig if is_bit_variant(model_or_config) else ViTConfig
+        bit = is_bit_variant(model_or_config)
+        spec = (decode_bit_variant if bit else decode_variant)(model_or_config)
+        kind = BiTConfig if bit else ViTConfig
         return kind(variant=model_or_config, **{"img_size": 224, "num_classes": 1000, **overrides}, **spec)
     cfg = getattr(model_or_config, "config", model_or_config)
     if not isinstance(cfg, (ViTConfig, BiTConfig)):

@@ -97,14 +97,15 @@ def decode_bit_variant(variant: str) -> dict[str, Any]:
 
 def decode_variant(variant: str) -> dict[str, Any]:
     """Decode "B/16" or "R50+B/16" into width, depth, mlp_dim, num_heads, patch_size and
-    resnet_layers (None for a plain ViT); a BiT name ("BiT-R50x1") into layers and width
-    (see `decode_bit_variant`).
+    resnet_layers (None for a plain ViT).
 
     `patch_size` is always the pixel footprint of one token; for a hybrid the patch
-    convolution itself is 1x1 and the ResNet supplies the stride.
+    convolution itself is 1x1 and the ResNet supplies the stride. A BiT name is refused
+    here, since a caller reads ViT fields from the answer; `decode_bit_variant` decodes it.
     """
     if is_bit_variant(variant):
-        return decode_bit_variant(variant)
+        raise ValueError(f"variant {variant!r} is a BiT ResNet, not a ViT: it has no patch size, width or heads; "
+                         f"pass a ViT variant such as 'B/16' here (vitcore.variants.decode_bit_variant decodes it)")
     match = _NAME.match(variant.strip()) if isinstance(variant, str) else None
     sizes = ", ".join(VARIANTS)
     if match is None:
