@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import TYPE_CHECKING, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
 from .resnet import ResNetV2
-
-if TYPE_CHECKING:
-    from .convert import LoadReport
 
 _UNIT_KEY = re.compile(r"^block(\d+)/unit(\d+)/(a|b|c)/(proj/)?(standardized_conv2d|group_norm)/(kernel|gamma|beta)$")
 _LAYER = {"a": "1", "b": "2", "c": "3"}
@@ -70,9 +67,10 @@ def bit_npz_to_state_dict(params: Mapping[str, np.ndarray]) -> tuple[dict[str, t
     return sd, sorted(unused)
 
 
-def load_resnet_state_dict(model: ResNetV2, sd: Mapping[str, torch.Tensor], report: LoadReport) -> LoadReport:
+def load_resnet_state_dict(model: ResNetV2, sd: Mapping[str, torch.Tensor], report: Any) -> Any:
     """Copy a state dict in our naming into `model`: a head of another shape stays freshly
-    initialised (with a warning); any other shape difference is refused, naming the fix."""
+    initialised (with a warning); any other shape difference is refused, naming the fix.
+    Fills and returns `report`, a `convert.LoadReport` (not imported: convert imports this module)."""
     own = model.state_dict()
     to_load, head_skipped = {}, []
     for name, value in sd.items():
