@@ -4,6 +4,7 @@ from torch import nn
 
 import vitcore
 from vitcore.model import Attention
+from vitcore.variants import decode_bit_variant
 
 
 def test_b16_macs_match_published_figures():
@@ -72,3 +73,32 @@ def test_pretraining_compute_matches_table6(variant):
     # for the ResNets. vitcore counts every tap of a padded conv, as the hardware runs it; leaving
     # out the taps that fall on zero padding brings every ResNet within 1.5% of Table 6.
     assert per_image * 303e6 * epochs / 1e18 == pytest.approx(exaflops, rel=0.05)
+
+
+def _taps_off_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """(kernel taps that land inside the input, summed over outputs; output size) along one axis."""
+    pad = kernel // 2
+    out = (size + 2 * pad - kernel) // stride + 1
+    return sum(0 <= o * stride - pad + i < size for o in range(out) for i in range(kernel)), out
+
+
+def _bit_macs_without_padding(variant: str, size: int = 224, num_classes: int = 18_000) -> int:
+    spec = decode_bit_variant(variant)
+    width = spec["width"]
+    t, size = _taps_off_padding(size, 7, 2)
+    macs = t * t * 3 * width
+    size, in_ch = _taps_off_padding(size, 3, 2)[1], width
+    for i, units in enumerate(spec["layers"]):
+        f = width * 2 ** i
+        for u in range(units):
+            taps, out = _taps_off_padding(size, 3, 2 if i and not u else 1)
+            macs += size * size * in_ch * f + taps * taps * f * f + out * out * f * 4 * f
+            macs += out * out * in_ch * 4 * f if not u else 0
+            size, in_ch = out, 4 * f
+    return macs + in_ch * num_classes
+
+
+@pytest.mark.parametrize("variant", [v for v in TABLE6 if v.startswith("BiT-")])
+def test_resnet_gap_to_table6_is_the_taps_on_zero_padding(variant):
+    epochs, exaflops = TABLE6[variant]
+    assert 6 * _bit_macs_without_padding(variant) * 303e6 * epochs / 1e18 == pytest.approx(exaflops, rel=0.015)
