@@ -173,3 +173,8 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         m.train()
         m(x).square().sum().backward()
     torch.testing.assert_close(ckpt.stem.conv.weight.grad, plain.stem.conv.weight.grad)
+
+
+def test_masked_patch_prediction_refuses_a_resnet():
+    with pytest.raises(TypeError, match="ResNetV2 has none, so pre-train it with a classification loss"):
+        vitcore.MaskedPatchPrediction(tiny())
