@@ -15,11 +15,19 @@ when the model has one)::
     # also out["stem"] (patch embeddings) and out["with_posemb"]
     model.forward_features(images)   # == out["encoded"] (timm semantics)
 
+The paper's convolutional baselines, BiT ResNets (Section 4.1, Table 6), come from the
+same function and answer the same calls; a ResNet's "encoded" is its last feature map
+(B, C, h, w) and "pre_logits" its global average. `model.lacks` names the parts of
+`INSPECTION_PARTS` a model has not (a ResNet: all of them), so callers skip those figures::
+
+    model = vitcore.create_model("BiT-R50x1", num_classes=1000, img_size=224)
+    if "attention" not in model.lacks: ...
+
 Fine-tuning (Section 3.2): `reset_head(model, K)` drops the pre-training head and
 attaches a zero-initialised linear layer; `load_checkpoint(path, img_size=384)`
 re-grids the position embeddings.
 
-Weights: `load_npz` (official vit_jax / big_vision), `load_timm_state_dict`, and our own
+Weights: `load_npz` (official vit_jax / big_vision / BiT), `load_timm_state_dict`, and our own
 `save_checkpoint` / `load_checkpoint` (safetensors with the config in its metadata).
 
 This package imports no Ray, Beam or MLflow.
@@ -40,9 +48,11 @@ from .model import OPTIONS, VisionTransformer, ViTConfig, create_model, reset_he
 from .mpp import MaskedPatchPrediction, corrupt_patches, mpp_targets
 from .posembed import adapt_pos_embed, resize_grid, sincos_2d
 from .reference import ReferenceViT
-from .variants import VARIANTS, accepted_variants, decode_variant
+from .resnet import INSPECTION_PARTS, BiTConfig, ResNetV2
+from .variants import VARIANTS, accepted_variants, decode_variant, is_bit_variant
 
 __all__ = [
+    "BiTConfig", "INSPECTION_PARTS", "ResNetV2", "is_bit_variant",
     "LoadReport", "MaskedPatchPrediction", "OPTIONS", "ReferenceViT", "VARIANTS", "ViTConfig",
     "VisionTransformer", "accepted_variants", "adapt_pos_embed", "attention_rollout", "attention_weights",
     "bf16_peak_flops", "compute_representations", "corrupt_patches", "count_macs", "create_model",

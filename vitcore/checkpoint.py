@@ -1,5 +1,7 @@
 """Our own checkpoints: one safetensors file whose metadata holds the model config as
-JSON, so a pre-training job can hand a model to a fine-tuning job on another machine."""
+JSON, so a pre-training job can hand a model to a fine-tuning job on another machine.
+The metadata's `architecture` says which model the config describes ("vit" when absent,
+as in files written before BiT ResNets joined)."""
 
 from __future__ import annotations
 
@@ -13,26 +15,30 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from .convert import LoadReport, load_adapted
+from .convert_bit import load_resnet_state_dict
 from .model import VisionTransformer, ViTConfig
+from .resnet import BiTConfig, ResNetV2
 
 FORMAT = "vitcore/1"
 # A stage saves its model under this name in its output folder; the next stage looks for it there.
 MODEL_FILE = "model.safetensors"
+# metadata "architecture" -> (config class, model class)
+ARCHITECTURES = {"vit": (ViTConfig, VisionTransformer), "bit": (BiTConfig, ResNetV2)}
 
 
 class CheckpointMismatch(ValueError):
     """A checkpoint file that is readable but not what it says it is (its config and tensors disagree)."""
 
 
-def save_checkpoint(model: VisionTransformer, path: str | os.PathLike,
+def save_checkpoint(model: VisionTransformer | ResNetV2, path: str | os.PathLike,
                     extra_metadata: dict[str, str] | None = None) -> None:
     """Write the model's weights and config to `path` (a `.safetensors` file)."""
-    if not isinstance(model, VisionTransformer):
-        raise TypeError(f"save_checkpoint expects a vitcore VisionTransformer, got {type(model).__name__}; "
+    if not isinstance(model, (VisionTransformer, ResNetV2)):
+        raise TypeError(f"save_checkpoint expects a vitcore VisionTransformer or ResNetV2, got {type(model).__name__}; "
                         f"for a MaskedPatchPrediction wrapper save its .backbone")
     path = os.fspath(path)
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
-    metadata = {"format": FORMAT, "config": json.dumps(model.config.to_dict())}
+    metadata = {"format": FORMAT, "architecture": _architecture(model.config), "config": json.dumps(model.config.to_dict())}
     metadata.update(extra_metadata or {})
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
@@ -40,12 +46,25 @@ def save_checkpoint(model: VisionTransformer, path: str | os.PathLike,
     os.replace(tmp, path)  # never leave a half-written checkpoint under the final name
 
 
-def _rough_params(config: ViTConfig) -> int:
-    """A lower bound on the parameters of ``config``'s encoder blocks (qkv, proj, MLP), from numbers alone."""
+def _rough_params(config: ViTConfig | BiTConfig) -> int:
+    """A lower bound on the parameters of ``config``'s encoder blocks (qkv, proj, MLP), or of a
+    ResNet's 3x3 convs, from numbers alone."""
+    if isinstance(config, BiTConfig):
+        return sum(n * 9 * (config.width * 2 ** i) ** 2 for i, n in enumerate(config.layers))
     return config.depth * (4 * config.width * config.width + 2 * config.width * config.mlp_dim)
 
 
-def _check_tensors_match_config(path: str, config: ViTConfig, shapes: dict[str, tuple[int, ...]]) -> None:
+def _architecture(config: ViTConfig | BiTConfig) -> str:
+    return "bit" if isinstance(config, BiTConfig) else "vit"
+
+
+def _size_words(config: ViTConfig | BiTConfig) -> str:
+    if isinstance(config, BiTConfig):
+        return f"{config.variant}, layers {config.layers}, width {config.width}"
+    return f"{config.variant}, width {config.width}, depth {config.depth}"
+
+
+def _check_tensors_match_config(path: str, config: ViTConfig | BiTConfig, shapes: dict[str, tuple[int, ...]]) -> None:
     """Refuse a file whose tensors are not exactly those of the model its config describes.
 
     Before any model is built for real: a 556-byte file whose config says width 2048 would
@@ -56,11 +75,12 @@ def _check_tensors_match_config(path: str, config: ViTConfig, shapes: dict[str, 
     held = sum(math.prod(s) for s in shapes.values())
     rough = _rough_params(config)
     if rough > 2 * held + 1_000_000:
-        raise CheckpointMismatch(f"{path}: its config ({config.variant}, width {config.width}, depth {config.depth}) needs "
+        raise CheckpointMismatch(f"{path}: its config ({_size_words(config)}) needs "
                          f"at least {rough:,} parameters but the file holds {held:,} in {len(shapes)} tensors; "
                          "the file is damaged or not a vitcore checkpoint, re-save it with vitcore.save_checkpoint")
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in VisionTransformer(config).state_dict().items()}
+        model = ARCHITECTURES[_architecture(config)][1](config)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(shapes))
     extra = sorted(set(shapes) - set(expected))
     wrong = sorted(k for k in set(expected) & set(shapes) if expected[k] != shapes[k])
@@ -74,7 +94,7 @@ def _check_tensors_match_config(path: str, config: ViTConfig, shapes: dict[str, 
                          + "; the file is damaged or not a vitcore checkpoint, re-save it with vitcore.save_checkpoint")
 
 
-def read_checkpoint(path: str | os.PathLike) -> tuple[ViTConfig, dict[str, torch.Tensor], dict[str, str]]:
+def read_checkpoint(path: str | os.PathLike) -> tuple[ViTConfig | BiTConfig, dict[str, torch.Tensor], dict[str, str]]:
     """Return (config, state dict, metadata) of a checkpoint written by save_checkpoint.
 
     The tensors must be exactly those of the model the config describes (names and
@@ -83,7 +103,7 @@ def read_checkpoint(path: str | os.PathLike) -> tuple[ViTConfig, dict[str, torch
     return _open_checked(path, read_tensors=True)
 
 
-def check_checkpoint(path: str | os.PathLike) -> ViTConfig:
+def check_checkpoint(path: str | os.PathLike) -> ViTConfig | BiTConfig:
     """The config of the checkpoint at ``path``, checked as :func:`read_checkpoint` checks it but
     from the header alone: no tensor is read, so a stage can vet its input before it starts work.
     Raises FileNotFoundError or CheckpointMismatch."""
@@ -100,8 +120,12 @@ def _open_checked(path: str | os.PathLike, *, read_tensors: bool):
             if metadata.get("format") != FORMAT or "config" not in metadata:
                 raise CheckpointMismatch(f"{path}: safetensors file without a vitcore config (format "
                                  f"{metadata.get('format')!r}); for timm weights use vitcore.load_timm_state_dict")
+            architecture = metadata.get("architecture", "vit")
+            if architecture not in ARCHITECTURES:
+                raise CheckpointMismatch(f"{path}: architecture {architecture!r} is not one vitcore builds "
+                                         f"({', '.join(ARCHITECTURES)}); load it with the vitcore that wrote it")
             try:
-                config = ViTConfig.from_dict(json.loads(metadata["config"]))
+                config = ARCHITECTURES[architecture][0].from_dict(json.loads(metadata["config"]))
             except (json.JSONDecodeError, TypeError, ValueError, KeyError) as e:
                 raise CheckpointMismatch(f"{path}: its vitcore config cannot be read ({e}); re-save it with "
                                  "vitcore.save_checkpoint") from None
@@ -114,20 +138,23 @@ def _open_checked(path: str | os.PathLike, *, read_tensors: bool):
     return config, sd, metadata
 
 
-def load_checkpoint(path: str | os.PathLike, **overrides: Any) -> VisionTransformer:
+def load_checkpoint(path: str | os.PathLike, **overrides: Any) -> VisionTransformer | ResNetV2:
     """Rebuild the saved model. `overrides` change config fields before the weights are
     copied in, e.g. img_size=384 to fine-tune at a higher resolution (the position
     embeddings are interpolated) or num_classes=10 (a mismatched head stays zero)."""
     config, sd, _ = read_checkpoint(path)
-    saved_grid = config.grid
     fields = config.to_dict()
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
         raise ValueError(f"load_checkpoint({os.fspath(path)!r}): unknown override(s) {unknown}; "
                          f"config fields are {', '.join(fields)}")
     fields.update(overrides)
-    model = VisionTransformer(ViTConfig.from_dict(fields))
     report = LoadReport(source=os.fspath(path))
-    load_adapted(model, sd, pos_prefix=config.num_prefix_tokens, report=report, old_grid=saved_grid)
+    if isinstance(config, BiTConfig):
+        model = ResNetV2(BiTConfig.from_dict(fields))
+        load_resnet_state_dict(model, sd, report)
+    else:
+        model = VisionTransformer(ViTConfig.from_dict(fields))
+        load_adapted(model, sd, pos_prefix=config.num_prefix_tokens, report=report, old_grid=config.grid)
     model.load_report = report
     return model

@@ -5,6 +5,8 @@ big_vision's; `load_timm_state_dict` reads timm's `VisionTransformer`. Both go t
 `load_adapted`, which also serves our own checkpoints: it re-grids the position
 embeddings to the model's resolution (Section 3.2), leaves a head of the wrong shape
 freshly initialised with a warning, and reports everything it did not load.
+Given a BiT ResNet, both read its formats instead (the official BiT `.npz`, timm's
+`resnetv2_*_bit`), through convert_bit.py.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from typing import Mapping
 import numpy as np
 import torch
 
+from .convert_bit import bit_npz_to_state_dict, is_bit_npz, load_resnet_state_dict, set_ws_eps
 from .model import VisionTransformer, set_gelu
 from .posembed import adapt_pos_embed, resize_1d
+from .resnet import ResNetV2
 
 _PREFIXES = ("opt/target/", "params/")
 # Sub-module names inside one encoder block. Old Flax numbered modules with one shared
@@ -208,11 +212,24 @@ def _hybrid_to_state_dict(p: Mapping[str, np.ndarray], used: set[str]) -> dict[s
     return sd
 
 
-def _check_model(model) -> VisionTransformer:
-    if not isinstance(model, VisionTransformer):
-        raise TypeError(f"expected a vitcore VisionTransformer, got {type(model).__name__}; "
+def _check_model(model) -> VisionTransformer | ResNetV2:
+    if not isinstance(model, (VisionTransformer, ResNetV2)):
+        raise TypeError(f"expected a vitcore VisionTransformer or ResNetV2, got {type(model).__name__}; "
                         f"for a MaskedPatchPrediction wrapper pass its .backbone")
     return model
+
+
+def _load_bit_npz(model: ResNetV2, params: Mapping[str, np.ndarray], source: str) -> LoadReport:
+    if not is_bit_npz(params):
+        raise ValueError(f"{source}: no 'resnet/root_block/standardized_conv2d/kernel' entry; keys start with "
+                         f"{sorted(params)[:5]}; this is not a BiT checkpoint, so it cannot load into "
+                         f"{model.config.variant} (a ViT .npz loads into a ViT variant such as 'B/16')")
+    sd, unused = bit_npz_to_state_dict(params)
+    if unused:
+        warnings.warn(f"{source}: checkpoint entries with no place in the model: {', '.join(unused)}", stacklevel=3)
+    # The BiT code standardises kernels with epsilon 1e-10; the weights were trained with it.
+    set_ws_eps(model, 1e-10)
+    return load_resnet_state_dict(model, sd, LoadReport(source=f"{source} (BiT layout)", unused=list(unused)))
 
 
 def load_adapted(model: VisionTransformer, sd: Mapping[str, torch.Tensor], *, pos_prefix: int,
@@ -287,8 +304,9 @@ def load_adapted(model: VisionTransformer, sd: Mapping[str, torch.Tensor], *, po
     return report
 
 
-def load_npz(model: VisionTransformer, path: str | os.PathLike | Mapping[str, np.ndarray]) -> LoadReport:
-    """Load an official vit_jax or big_vision `.npz` (or its dict of arrays) in place.
+def load_npz(model: VisionTransformer | ResNetV2, path: str | os.PathLike | Mapping[str, np.ndarray]) -> LoadReport:
+    """Load an official vit_jax or big_vision `.npz` (or its dict of arrays) in place; into a
+    BiT ResNet, an official BiT `.npz`.
 
     Sets the GELU to the tanh approximation, which is what Flax's `nn.gelu` computes,
     so the model reproduces the JAX outputs.
@@ -296,6 +314,11 @@ def load_npz(model: VisionTransformer, path: str | os.PathLike | Mapping[str, np
     model = _check_model(model)
     source = os.fspath(path) if isinstance(path, (str, os.PathLike)) else "npz params"
     params = read_npz(path) if isinstance(path, (str, os.PathLike)) else dict(path)
+    if isinstance(model, ResNetV2):
+        return _load_bit_npz(model, params, source)
+    if is_bit_npz(params):
+        raise ValueError(f"{source}: a BiT ResNet checkpoint; load it into a BiT variant such as 'BiT-R50x1', "
+                         f"not {model.config.variant}")
     sd, pos_prefix, unused, layout = npz_to_state_dict(params, source=source)
     report = LoadReport(source=f"{source} ({layout} layout)", unused=list(unused))
     if unused:
@@ -306,11 +329,15 @@ def load_npz(model: VisionTransformer, path: str | os.PathLike | Mapping[str, np
     return load_adapted(model, sd, pos_prefix=pos_prefix, report=report)
 
 
-def load_timm_state_dict(model: VisionTransformer, state_dict: Mapping[str, torch.Tensor]) -> LoadReport:
+def load_timm_state_dict(model: VisionTransformer | ResNetV2, state_dict: Mapping[str, torch.Tensor]) -> LoadReport:
     """Load a timm `VisionTransformer` state dict in place; sets the exact erf GELU
-    that timm uses."""
+    that timm uses. Into a BiT ResNet, loads a timm `resnetv2_*_bit` state dict and sets
+    timm's weight-standardisation epsilon (1e-8)."""
     model = _check_model(model)
     sd = {k.removeprefix("module."): v for k, v in state_dict.items()}
+    if isinstance(model, ResNetV2):
+        set_ws_eps(model, 1e-8)
+        return load_resnet_state_dict(model, sd, LoadReport(source="timm state dict"))
     if any(k.startswith("patch_embed.backbone.") for k in sd):
         raise ValueError("timm hybrid state dicts are not supported (timm's StdConv uses another epsilon); "
                          "load the official R50+ViT .npz with vitcore.load_npz instead")

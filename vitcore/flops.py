@@ -1,6 +1,7 @@
 """Analytic compute per image, counted from shapes: multiply-accumulates of every conv,
-dense layer and attention matmul (norms, softmax and activations are left out, as is
-usual; they are well under 1% for ViT). ViT-B/16 at 224 px comes to about 17.6 GMACs.
+dense layer and attention matmul (norms, softmax, pooling and activations are left out, as
+is usual; they are well under 1% for ViT). ViT-B/16 at 224 px comes to about 17.6 GMACs.
+BiT ResNets are counted the same way, convolutions and the head.
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import math
 
 from .model import VisionTransformer, ViTConfig
-from .variants import decode_variant, resnet_stride
+from .resnet import BiTConfig, ResNetV2
+from .variants import decode_bit_variant, decode_variant, is_bit_variant, resnet_stride
 
 # Dense bf16 peaks in FLOP/s, for model FLOP utilisation (MFU).
 BF16_PEAK_FLOPS = {
@@ -37,7 +39,8 @@ def bf16_peak_flops(device_name: str) -> float | None:
 
 
 def _resnet_macs(layers: tuple[int, ...], in_chans: int, h: int, w: int, width: int = 64) -> tuple[int, int, int, int]:
-    """MACs of the BiT stem; returns (macs, out_h, out_w, out_channels)."""
+    """MACs of a BiT ResNet body (root and stages; the hybrid's stem, or a BiT baseline without
+    its head); returns (macs, out_h, out_w, out_channels)."""
     h, w = math.ceil(h / 2), math.ceil(w / 2)  # 7x7 stride-2 root conv, 'SAME'
     macs = h * w * width * in_chans * 49
     h, w = math.ceil(h / 2), math.ceil(w / 2)  # 3x3 stride-2 max-pool
@@ -56,19 +59,23 @@ def _resnet_macs(layers: tuple[int, ...], in_chans: int, h: int, w: int, width: 
     return macs, h, w, in_ch
 
 
-def count_macs(model_or_config: VisionTransformer | ViTConfig | str, img_size: int | tuple[int, int] | None = None,
-               num_classes: int | None = None) -> int:
-    """Forward multiply-accumulates for one image."""
+def _config_of(model_or_config, img_size, num_classes) -> ViTConfig | BiTConfig:
+    """The config a count is taken for: a model's, a config, or a variant name's at 224 px and
+    1,000 classes, with `img_size` and `num_classes` applied when given."""
+    overrides = {k: v for k, v in (("img_size", img_size), ("num_classes", num_classes)) if v is not None}
     if isinstance(model_or_config, str):
-        spec = decode_variant(model_or_config)
-        cfg = ViTConfig(variant=model_or_config, img_size=img_size or 224,
-                        num_classes=1000 if num_classes is None else num_classes, **spec)
-    else:
-        cfg = model_or_config.config if isinstance(model_or_config, VisionTransformer) else model_or_config
-        if img_size is not None or num_classes is not None:
-            fields = cfg.to_dict()
-            fields.update({k: v for k, v in (("img_size", img_size), ("num_classes", num_classes)) if v is not None})
-            cfg = ViTConfig.from_dict(fields)
+        bit = is_bit_variant(model_or_config)
+        spec = (decode_bit_variant if bit else decode_variant)(model_or_config)
+        kind = BiTConfig if bit else ViTConfig
+        return kind(variant=model_or_config, **{"img_size": 224, "num_classes": 1000, **overrides}, **spec)
+    cfg = getattr(model_or_config, "config", model_or_config)
+    if not isinstance(cfg, (ViTConfig, BiTConfig)):
+        raise TypeError(f"count_macs expects a vitcore model, its config or a variant name, "
+                        f"got {type(model_or_config).__name__}")
+    return type(cfg).from_dict({**cfg.to_dict(), **overrides}) if overrides else cfg
+
+
+def _vit_macs(cfg: ViTConfig) -> int:
     d, gh, gw = cfg.width, *cfg.grid
     n = gh * gw
     if cfg.resnet_layers is None:
@@ -89,7 +96,21 @@ def count_macs(model_or_config: VisionTransformer | ViTConfig | str, img_size: i
     if cfg.representation_size:
         macs += d * rep
     macs += rep * cfg.num_classes
-    return int(macs)
+    return macs
+
+
+def _bit_macs(cfg: BiTConfig) -> int:
+    # BiT's symmetric padding gives the same output sizes as 'SAME' (ceil(size / stride)), and
+    # its units have the hybrid's convolutions in another order, so the hybrid's count serves.
+    macs, _, _, ch = _resnet_macs(cfg.layers, cfg.in_chans, *cfg.img_size, width=cfg.width)
+    return macs + ch * cfg.num_classes
+
+
+def count_macs(model_or_config: VisionTransformer | ResNetV2 | ViTConfig | BiTConfig | str,
+               img_size: int | tuple[int, int] | None = None, num_classes: int | None = None) -> int:
+    """Forward multiply-accumulates for one image."""
+    cfg = _config_of(model_or_config, img_size, num_classes)
+    return int(_bit_macs(cfg) if isinstance(cfg, BiTConfig) else _vit_macs(cfg))
 
 
 def train_flops_per_image(model_or_config, img_size=None, num_classes=None) -> int:

@@ -26,6 +26,13 @@ def _frozen(model: torch.nn.Module):
         model.train(was_training)
 
 
+def _require(model: torch.nn.Module, part: str) -> None:
+    """One line naming the model and the part it lacks (see `model.lacks`)."""
+    if part in getattr(model, "lacks", ()):
+        raise ValueError(f"{model.config.variant} has no {part.replace('_', ' ')} to inspect ({part!r} is in "
+                         f"model.lacks); skip this figure for it")
+
+
 def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
@@ -47,9 +54,10 @@ def embedding_filter_pcs(model: VisionTransformer, num_components: int = 28,
     (components (k, 3, P, P), each of unit norm so values lie in [-1, 1], and the
     fraction of variance each explains (k,)).
     """
-    if model.config.resnet_layers is not None:
+    if getattr(model.config, "resnet_layers", None) is not None:
         raise ValueError(f"{model.config.variant}: a hybrid's 1x1 patch embedding acts on ResNet features, "
                          f"not pixels, so its filters are not images; inspect a plain ViT")
+    _require(model, "embedding_filters")
     w = model.patch_embed.proj.weight.detach().float().cpu().numpy()
     d, c, p, _ = w.shape
     flat = w.reshape(d, -1)
@@ -91,6 +99,7 @@ def position_embedding_similarity(model: VisionTransformer,
     """Cosine similarity between the position embedding of every patch and all others
     (Figure 7, centre). Returns (gh, gw, gh, gw) in [-1, 1]; [r, c] is the tile of the
     patch in row r, column c."""
+    _require(model, "position_embeddings")
     gh, gw = model.config.grid
     with torch.no_grad():
         e = _patch_position_embeddings(model).detach().float().cpu()
@@ -116,6 +125,7 @@ def position_embedding_similarity(model: VisionTransformer,
 
 def attention_weights(model: VisionTransformer, images: torch.Tensor) -> list[torch.Tensor]:
     """Softmax attention of every layer, (B, heads, L, L) each, via the explicit path."""
+    _require(model, "attention")
     with _frozen(model):
         _, out = model(images, return_attention=True)
     return [a.float().cpu() for a in out["attention"]]
@@ -131,6 +141,7 @@ def mean_attention_distance(model: VisionTransformer, images: torch.Tensor,
     The [class] token has no pixel position, so its row and column are left out and the
     weights over patch keys are renormalised to sum to one.
     """
+    _require(model, "attention")
     cfg = model.config
     gh, gw = cfg.grid
     yy, xx = np.meshgrid(np.arange(gh), np.arange(gw), indexing="ij")
@@ -165,6 +176,7 @@ def attention_rollout(model: VisionTransformer, images: torch.Tensor,
     then multiply the matrices of all layers. Returns (B, gh, gw) maps in [0, 1], the
     rolled-out attention from the output token (the mean over tokens for 'gap' models)
     to each patch, divided by its maximum."""
+    _require(model, "attention")
     cfg = model.config
     gh, gw = cfg.grid
     joint = None

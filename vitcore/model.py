@@ -19,7 +19,8 @@ from torch.utils.checkpoint import checkpoint
 
 from .hybrid import ResNetBackbone, lecun_normal_
 from .posembed import POSEMB_KINDS, AxisPosEmbed, RelativePositionBias, sincos_2d
-from .variants import decode_variant, resnet_stride
+from .resnet import ResNetV2, create_resnet, reset_resnet_head
+from .variants import decode_variant, is_bit_variant, resnet_stride
 
 CLASSIFIERS = ("token", "gap")
 GELU_FLAVOURS = {"tanh": "tanh", "erf": "none"}  # our name -> nn.GELU(approximate=...)
@@ -276,6 +277,17 @@ class VisionTransformer(nn.Module):
     def representation_dim(self) -> int:
         return self.config.representation_size or self.config.width
 
+    @property
+    def lacks(self) -> frozenset[str]:
+        """The parts of `resnet.INSPECTION_PARTS` this model has not: a hybrid's patch filters
+        act on ResNet features, not pixels; 'relative' and 'none' have no absolute positions."""
+        missing = set()
+        if self.config.resnet_layers is not None:
+            missing.add("embedding_filters")
+        if self.config.posemb not in ("learn", "sincos2d", "2d"):
+            missing.add("position_embeddings")
+        return frozenset(missing)
+
     def _check_input(self, x: torch.Tensor) -> None:
         cfg = self.config
         if x.ndim != 4 or x.shape[1] != cfg.in_chans:
@@ -365,21 +377,29 @@ OPTIONS = {
 
 
 def create_model(variant: str, *, num_classes: int = 1000, img_size: int | tuple[int, int] = 224,
-                 classifier: str = "token", representation_size: int | None = None,
-                 **options: Any) -> VisionTransformer:
-    """Build a ViT from a variant name ("Ti/16", "B/16", "R50+B/16", "mu/8").
+                 classifier: str | None = None, representation_size: int | None = None,
+                 **options: Any) -> VisionTransformer | ResNetV2:
+    """Build a ViT from a variant name ("Ti/16", "B/16", "R50+B/16", "mu/8"), or a BiT ResNet
+    ("BiT-R50x1"; see `resnet.create_resnet` for its options).
 
     Args:
         variant: size/patch, optionally prefixed by a ResNet stem ("R50+").
         num_classes: head outputs; 0 removes the head (logits are then pre_logits).
         img_size: input resolution, an int or (H, W); a multiple of the patch size.
-        classifier: 'token' ([class] token, Eq. 4) or 'gap' (global average pooling).
+        classifier: 'token' ([class] token, Eq. 4; the default) or 'gap' (global average
+            pooling, the only one a ResNet has).
         representation_size: size of the tanh pre-logits layer used in pre-training
             (the paper uses the width); None for the single linear fine-tuning head.
         **options: overrides from `OPTIONS` (depth, width, mlp_dim, num_heads, posemb,
             dropout, attention_dropout, gelu, attn_impl, grad_checkpointing,
             head_bias_init, in_chans).
     """
+    if is_bit_variant(variant):
+        if classifier not in (None, "gap") or representation_size:
+            raise ValueError(f"create_model({variant!r}): a BiT ResNet pools by global average into one dense "
+                             f"head; drop classifier={classifier!r} and representation_size={representation_size!r}")
+        return create_resnet(variant, num_classes=num_classes, img_size=img_size, **options)
+    classifier = classifier or "token"
     unknown = sorted(set(options) - set(OPTIONS))
     if unknown:
         raise ValueError(f"create_model({variant!r}): unknown option(s) {unknown}; accepted options are "
@@ -391,10 +411,12 @@ def create_model(variant: str, *, num_classes: int = 1000, img_size: int | tuple
     return VisionTransformer(config)
 
 
-def reset_head(model: VisionTransformer, num_classes: int) -> VisionTransformer:
+def reset_head(model: VisionTransformer | ResNetV2, num_classes: int) -> VisionTransformer | ResNetV2:
     """Prepare a pre-trained model for fine-tuning: remove the whole head (the tanh
     pre-logits layer too) and attach one zero-initialised D x K linear layer
     (Section 3.2; Appendix B.1.1 found this "a little more robust")."""
+    if isinstance(model, ResNetV2):
+        return reset_resnet_head(model, num_classes)
     model.config.representation_size = None
     model.config.num_classes = num_classes
     model.config.head_bias_init = 0.0

@@ -69,6 +69,9 @@ class MaskedPatchPrediction(nn.Module):
     def __init__(self, backbone: VisionTransformer, *, bits: int = 3, corrupt_rate: float = 0.5,
                  mask_frac: float = 0.8, random_frac: float = 0.1):
         super().__init__()
+        if not isinstance(backbone, VisionTransformer):
+            raise TypeError(f"masked patch prediction (Appendix B.1.2) corrupts the patch tokens of a ViT; "
+                            f"{type(backbone).__name__} has none, so pre-train it with a classification loss")
         self.backbone = backbone
         d = backbone.config.width
         self.bits, self.corrupt_rate = bits, corrupt_rate

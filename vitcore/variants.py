@@ -3,7 +3,8 @@
 Widths, depths, MLP sizes and heads come from Table 1 of the paper (B, L, H) and from
 the official code and big_vision for the smaller ones (mu, Ti, S, M). Hybrids are named
 "R50+B/16": a BiT ResNet stem whose total stride is the named patch size, followed by
-1x1 patches (Section 3.1, "Hybrid Architecture").
+1x1 patches (Section 3.1, "Hybrid Architecture"). The paper's convolutional baselines are
+named "BiT-R50x1": a BiT ResNetV2 of depth 50 and width factor 1 (Section 4.1, Table 6).
 """
 
 from __future__ import annotations
@@ -34,6 +35,26 @@ RESNET_STAGES: dict[str, dict[int, tuple[int, ...]]] = {
     "R26": {32: (2, 2, 2, 2)},
 }
 
+# BiT ResNetV2 depth -> bottleneck units per stage (big_vision models/bit.py).
+BIT_DEPTHS: dict[int, tuple[int, ...]] = {
+    26: (2, 2, 2, 2),
+    50: (3, 4, 6, 3),
+    101: (3, 4, 23, 3),
+    152: (3, 8, 36, 3),
+    200: (3, 24, 36, 3),
+}
+# The paper's ResNet baselines (Table 6) and BiT's released sizes; any width factor k >= 1 decodes.
+BIT_VARIANTS = ("BiT-R26x1", "BiT-R50x1", "BiT-R50x2", "BiT-R50x3", "BiT-R101x1", "BiT-R101x3",
+                "BiT-R152x1", "BiT-R152x2", "BiT-R152x4", "BiT-R200x3")
+# Ours, for tests and the demo: one or two units per stage at half of x1's width (32 channels
+# at the root, the fewest GroupNorm's 32 groups allow). name: (units per stage, root width)
+BIT_TINY: dict[str, tuple[tuple[int, ...], int]] = {
+    "BiT-mu": ((1, 1, 1, 1), 32),
+    "BiT-Ti": ((2, 2, 2, 2), 32),
+}
+BIT_ROOT_WIDTH = 64  # x1's root width; stage i has 64 * k * 2^i bottleneck channels
+
+_BIT_NAME = re.compile(r"^BiT-R(?P<depth>\d+)x(?P<k>\d+)$")
 _NAME = re.compile(r"^(?:(?P<resnet>R\d+)\+)?(?P<size>[A-Za-z]+)/(?P<patch>\d+)$")
 
 
@@ -46,7 +67,32 @@ def accepted_variants() -> list[str]:
     plain = [f"{s}/{p}" for s in VARIANTS for p in PATCH_SIZES]
     hybrid = [f"{r}+{s}/{p}" for r, by_stride in RESNET_STAGES.items() for p in by_stride
               for s in VARIANTS]
-    return plain + hybrid
+    return plain + hybrid + list(BIT_VARIANTS) + list(BIT_TINY)
+
+
+def is_bit_variant(variant: object) -> bool:
+    """Whether `variant` names a BiT ResNet ("BiT-R50x1", "BiT-mu") rather than a ViT."""
+    return isinstance(variant, str) and variant.strip().startswith("BiT-")
+
+
+def decode_bit_variant(variant: str) -> dict[str, Any]:
+    """Decode "BiT-R50x1" into `layers` (units per stage) and `width` (root width 64 * k)."""
+    name = variant.strip()
+    if name in BIT_TINY:
+        layers, width = BIT_TINY[name]
+        return dict(layers=layers, width=width)
+    match = _BIT_NAME.match(name)
+    depths = ", ".join(map(str, BIT_DEPTHS))
+    if match is None:
+        raise ValueError(f"variant {variant!r} is not of the form 'BiT-R<depth>x<k>' (depths {depths}, "
+                         f"k a positive integer) nor one of {', '.join(BIT_TINY)}; e.g. 'BiT-R50x1'")
+    depth, k = int(match["depth"]), int(match["k"])
+    if depth not in BIT_DEPTHS:
+        raise ValueError(f"variant {variant!r}: no BiT ResNet of depth {depth}; accepted depths are {depths} "
+                         f"(e.g. 'BiT-R50x1', 'BiT-R152x2')")
+    if k < 1:
+        raise ValueError(f"variant {variant!r}: the width factor must be at least 1, e.g. 'BiT-R{depth}x1'")
+    return dict(layers=BIT_DEPTHS[depth], width=BIT_ROOT_WIDTH * k)
 
 
 def decode_variant(variant: str) -> dict[str, Any]:
@@ -54,15 +100,19 @@ def decode_variant(variant: str) -> dict[str, Any]:
     resnet_layers (None for a plain ViT).
 
     `patch_size` is always the pixel footprint of one token; for a hybrid the patch
-    convolution itself is 1x1 and the ResNet supplies the stride.
+    convolution itself is 1x1 and the ResNet supplies the stride. A BiT name is refused
+    here, since a caller reads ViT fields from the answer; `decode_bit_variant` decodes it.
     """
+    if is_bit_variant(variant):
+        raise ValueError(f"variant {variant!r} is a BiT ResNet, not a ViT: it has no patch size, width or heads; "
+                         f"pass a ViT variant such as 'B/16' here (vitcore.variants.decode_bit_variant decodes it)")
     match = _NAME.match(variant.strip()) if isinstance(variant, str) else None
     sizes = ", ".join(VARIANTS)
     if match is None:
         raise ValueError(
             f"variant {variant!r} is not of the form 'SIZE/PATCH' or 'R50+SIZE/PATCH'; "
             f"sizes are {sizes}, patch sizes {', '.join(map(str, PATCH_SIZES))}, "
-            f"e.g. 'B/16' or 'R50+B/16'")
+            f"e.g. 'B/16' or 'R50+B/16'; BiT ResNets are named 'BiT-R50x1'")
     size, patch, resnet = match["size"], int(match["patch"]), match["resnet"]
     if size not in VARIANTS:
         raise ValueError(f"variant {variant!r}: unknown size {size!r}; accepted sizes are {sizes} "

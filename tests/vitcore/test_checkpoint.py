@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -89,3 +91,36 @@ def test_tensors_of_another_shape_or_name_are_refused(tmp_path):
         vitcore.read_checkpoint(path)
     _with_config(path, config, sd)
     assert vitcore.read_checkpoint(path)[0] == model.config
+
+
+def test_bit_resnet_round_trip_keeps_model_and_config(tmp_path):
+    torch.manual_seed(0)
+    model = vitcore.create_model("BiT-mu", img_size=32, num_classes=5, layers=(2, 1), ws_eps=1e-8)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    model.eval()
+    path = tmp_path / "bit" / "model.safetensors"
+    vitcore.save_checkpoint(model, path)
+    loaded = vitcore.load_checkpoint(path).eval()
+    assert isinstance(loaded, vitcore.ResNetV2) and loaded.config == model.config
+    assert vitcore.checkpoint.check_checkpoint(path) == model.config
+    x = torch.rand(2, 3, 32, 32) * 2 - 1
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    # Fine-tuning elsewhere: another resolution is only a config change; a new head starts at zero.
+    with pytest.warns(UserWarning, match="head shape does not match"):
+        ft = vitcore.load_checkpoint(path, img_size=64, num_classes=3)
+    assert torch.count_nonzero(ft.head.fc.weight) == 0
+    assert torch.equal(ft.stem.conv.weight, model.stem.conv.weight)
+    assert ft(torch.zeros(1, 3, 64, 64)).shape == (1, 3)
+
+
+def test_bit_checkpoint_with_tensors_of_another_model_is_refused(tmp_path):
+    model = vitcore.create_model("BiT-mu", img_size=32, num_classes=5)
+    config = dict(model.config.to_dict(), layers=[2, 2, 2, 2])
+    path = tmp_path / "m.safetensors"
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path),
+              metadata={"format": vitcore.checkpoint.FORMAT, "architecture": "bit", "config": json.dumps(config)})
+    with pytest.raises(ValueError, match="m.safetensors: its tensors do not match its config \\(BiT-mu\\).*missing"):
+        vitcore.load_checkpoint(path)
