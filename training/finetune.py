@@ -37,9 +37,9 @@ from common.jobenv import durable_path
 from common.locks import FolderLock
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
 from training import run_artifacts
-from training.ray_utils import init_ray
+from training.ray_utils import copy_final_model, init_ray
 from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
-from training.sweep import copy_final_model, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from training.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 # Appendix B.1.1: the development sub-split per dataset, matched against --dataset or the

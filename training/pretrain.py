@@ -511,7 +511,7 @@ def _in_thread(fit: Any) -> Any:
 def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id: str, total_steps: int,
              restarts: int) -> dict[str, Any]:
     """The final checkpoint's model copied beside the summary, and the summary."""
-    from training.sweep import copy_final_model
+    from training.ray_utils import copy_final_model
 
     model_path = copy_final_model(result, output)
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}

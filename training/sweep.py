@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from common import progress, tracking
 from common.cli import Interrupted, interrupts
 from common.config import ConfigError
-from common.fs import atomic_open, atomic_write
+from common.fs import atomic_write
 from training import tune_state
 
 STATE_FILE = "sweep_state.json"
@@ -99,17 +98,6 @@ def report_final(metrics: dict, model) -> None:
     with tempfile.TemporaryDirectory() as d:
         vitcore.save_checkpoint(model, Path(d) / MODEL_FILE)
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
-
-
-def copy_final_model(result, output: Path) -> Path:
-    """Copy the model a trial (:func:`report_final`) or a pre-training fit reported with its last
-    checkpoint into ``output``; returns its path there."""
-    from vitcore.checkpoint import MODEL_FILE
-
-    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
-            atomic_open(output / MODEL_FILE) as dst:
-        shutil.copyfileobj(src, dst)
-    return output / MODEL_FILE
 
 
 def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Iterable[str] = ()) -> dict | None:
