@@ -28,7 +28,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
     - Otherwise: start Ray in-process on loopback only (:func:`_loopback_node`), without
       the dashboard.
 
-    Workers import this repository's packages (``common``, ``vitcore``, ``pipelines``, ``training``), so
+    Workers import this repository's packages (``common``, ``vitcore``, ``pipelines``, ``training``, ``transfer``), so
     an in-process start puts the repository root on their ``PYTHONPATH``.
     """
     import ray
@@ -106,7 +106,7 @@ def cpus_available() -> int:
 
 
 def copy_final_model(result, output: Path) -> Path:
-    """Copy the model that a pre-training fit or a Tune trial (``training.sweep.report_final``)
+    """Copy the model that a pre-training fit or a Tune trial (``transfer.sweep.report_final``)
     reported with its last checkpoint into ``output``; returns its path there."""
     from vitcore.checkpoint import MODEL_FILE
 

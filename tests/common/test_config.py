@@ -4,8 +4,8 @@ import json
 import pytest
 
 from common.config import ConfigError, from_dict, parse_args
-from training.finetune import FinetuneConfig
 from training.pretrain import PretrainConfig
+from transfer.finetune import FinetuneConfig
 
 
 def test_file_then_flags_override(tmp_path):

@@ -1,4 +1,4 @@
-"""training.sweep: Tune sweeps retry failed trials, resume from any kill, and refuse changed flags."""
+"""transfer.sweep: Tune sweeps retry failed trials, resume from any kill, and refuse changed flags."""
 import os
 import shutil
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 from common.config import ConfigError
 from training.ray_utils import init_ray
-from training.sweep import open_sweep_state, save_sweep_state, tune_sweep
+from transfer.sweep import open_sweep_state, save_sweep_state, tune_sweep
 
 
 def test_a_resumed_sweep_refuses_changed_flags_but_not_where_it_runs(tmp_path):
@@ -105,7 +105,7 @@ def test_a_state_file_cut_short_moves_the_sweep_aside_in_one_line_and_runs_it_ag
 def test_tunes_storage_writes_a_file_whole_or_not_at_all(tmp_path):
     import pickle
 
-    from training.tune_state import storage
+    from transfer.tune_state import storage
 
     fs = pickle.loads(pickle.dumps(storage()))  # as Tune ships it to its trial actors
     target = tmp_path / "state.json"

@@ -20,7 +20,7 @@ from common import progress, tracking
 from common.cli import Interrupted, interrupts
 from common.config import ConfigError
 from common.fs import atomic_write
-from training import tune_state
+from transfer import tune_state
 
 STATE_FILE = "sweep_state.json"
 
