@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from common.config import ConfigError, free_on_resume
+from common.config import ConfigError, changed_fields, free_on_resume
 
 TRAIN_STATE = "train_state.pt"
 STATE_FORMAT = "vitscale-pretrain/2"
@@ -27,8 +27,7 @@ RECORD = "checkpoint.json"
 def check_resumable(saved: dict, current: dict, free: Iterable[str]) -> None:
     """Refuse to continue a checkpoint under a different recipe, which would silently mix two runs;
     ``free`` names the fields a resume may change (:func:`common.config.free_on_resume`)."""
-    free = frozenset(free)
-    changed = sorted(k for k in set(saved) | set(current) if k not in free and saved.get(k) != current.get(k))
+    changed = changed_fields(saved, current, free)
     if changed:
         diffs = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in changed)
         raise ConfigError(

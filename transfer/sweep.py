@@ -18,7 +18,7 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from common import progress, tracking
 from common.cli import Interrupted, interrupts
-from common.config import ConfigError
+from common.config import ConfigError, changed_fields
 from common.fs import atomic_write
 from transfer import tune_state
 
@@ -110,8 +110,7 @@ def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Ite
         return None
     state = json.loads(path.read_text())
     old = state.get("config", {})
-    ignore = set(fresh_keys)
-    changed = sorted(k for k in set(old) | set(config) if k not in ignore and old.get(k) != config.get(k))
+    changed = changed_fields(old, config, fresh_keys)
     if changed:
         k = changed[0]
         raise ConfigError(
