@@ -42,10 +42,6 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
 
     from common.progress import TrialLines  # builds a ray.tune.Callback: loads Ray
 
-
-    # Save the sweep's state after every event, not every 10 s or more: a sweep killed just after
-    # a trial finished must not run that trial again on resume. The state is a few kB per trial.
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "0")
     storage, files = output / "ray", tune_state.storage()
     trainable = tune.with_resources(trainable, resources)
     folder = storage / name
@@ -67,8 +63,12 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
     # even at verbose=0; the older one, which Tune reads this variable for, honours verbose=0.
     # Tune's own SIGINT handler stops the sweep and returns half a result grid, then prints a
     # Tuner.restore hint; Ctrl-C ends the stage instead (sweep_run says what was kept).
+    # The sweep's state is saved after every event (a value the caller set stands), not every 10 s
+    # or more: a sweep killed just after a trial finished must not run that trial again on resume.
+    # The state is a few kB per trial. Tune reads it when fit starts its controller.
     with _env("RAY_AIR_NEW_OUTPUT", None if progress.verbose() else "0"), \
-            _env("TUNE_DISABLE_SIGINT_HANDLER", "1"), interrupts():
+            _env("TUNE_DISABLE_SIGINT_HANDLER", "1"), \
+            _env("TUNE_GLOBAL_CHECKPOINT_S", os.environ.get("TUNE_GLOBAL_CHECKPOINT_S", "0")), interrupts():
         return tuner.fit()
 
 

@@ -21,8 +21,10 @@ def test_a_resumed_sweep_refuses_changed_flags_but_not_where_it_runs(tmp_path):
         open_sweep_state(tmp_path, {**config, "steps": 10})
 
 
-def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path):
+def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path, monkeypatch):
     from ray import tune
+
+    monkeypatch.delenv("TUNE_GLOBAL_CHECKPOINT_S", raising=False)
 
     def flaky(config):  # local: Tune ships it by value to its workers
         from ray import tune
@@ -40,6 +42,7 @@ def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path):
                       metric="score", max_failures=1)
     assert sorted(r.metrics["score"] for r in grid) == [1.0, 2.0] and not grid.errors
     assert [(tmp_path / f"attempts-{x}").read_text() for x in (1, 2)] == ["2", "2"]
+    assert "TUNE_GLOBAL_CHECKPOINT_S" not in os.environ  # the sweep's setting ends with it
 
     space["fail_first"] = 5  # more failures than retries: the trial ends in error, not silently
     grid = tune_sweep(flaky, {**space, "x": 3}, name="gives-up", output=tmp_path / "out", resources={"cpu": 1},
