@@ -162,7 +162,7 @@ def vtab_run(tasks, pretrained, tmp_path_factory, ray_session):
         mp.undo()
 
 
-def test_vtab_results_have_the_issue_shape_and_means(vtab_run):
+def test_vtab_results_hold_the_setting_each_task_the_group_means_and_the_mean(vtab_run):
     results = json.loads((vtab_run["out"] / "vtab_results.json").read_text())
     assert set(results) == {"setting", "tasks", "groups", "mean"}
     assert set(results["tasks"]) == {"digits", "textures", "count"}
