@@ -15,7 +15,7 @@ from common.config import InputError, parse_args
 T = TypeVar("T")
 
 
-class Interrupt(KeyboardInterrupt):
+class SignalInterrupt(KeyboardInterrupt):
     """SIGINT or SIGTERM, raised in the main thread while :func:`interrupts` is in force."""
 
     def __init__(self, signum: int = signal.SIGINT) -> None:
@@ -34,7 +34,7 @@ class Interrupted(Exception):
 
 @contextlib.contextmanager
 def interrupts(before_raise: Callable[[int], None] | None = None) -> Iterator[None]:
-    """SIGINT and SIGTERM raise :class:`Interrupt` in the main thread for the duration.
+    """SIGINT and SIGTERM raise :class:`SignalInterrupt` in the main thread for the duration.
 
     Ray installs its own handlers (``ray.init``: SIGTERM exits 15; Ray Train's ``fit``: SIGINT
     aborts the run and exits 1, silently), so a stage enters this after Ray has started.
@@ -47,7 +47,7 @@ def interrupts(before_raise: Callable[[int], None] | None = None) -> Iterator[No
     def _raise(signum, frame):
         if before_raise is not None:
             before_raise(signum)
-        raise Interrupt(signum)
+        raise SignalInterrupt(signum)
 
     before = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
     try:

@@ -17,7 +17,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence, TypeVar, get_args, get_origin
+from typing import Any, Iterable, Literal, Mapping, Sequence, TypeVar, get_args, get_origin
 
 import yaml
 
@@ -228,6 +228,13 @@ def not_recipe(cfg: Any) -> frozenset[str]:
 def free_on_resume(cfg: Any) -> frozenset[str]:
     """Fields a resumed run may change: where it runs, and the length of its schedule."""
     return frozenset(f.name for f in dataclasses.fields(cfg) if recipe_mark(cfg, f.name) is not True)
+
+
+def changed_fields(saved: Mapping[str, Any], current: Mapping[str, Any], free: Iterable[str] = ()) -> list[str]:
+    """The fields, sorted, that differ between a recorded config and this one (absent reads as None),
+    ``free`` aside: what a resume that would mix two runs changed."""
+    free = frozenset(free)
+    return sorted(k for k in set(saved) | set(current) if k not in free and saved.get(k) != current.get(k))
 
 
 def recipe_of(cfg: Any) -> dict[str, Any]:

@@ -29,14 +29,14 @@ from demo import data as demo_data
 from pipelines.config import PrepareConfig
 from pipelines.ingest import run_prepare
 from reports.report import ReportConfig, run_report
-from training.fewshot import FewshotConfig, run_fewshot
-from training.fewshot import format_table as fewshot_table
-from training.finetune import FinetuneConfig, run_finetune
 from training.pretrain import PretrainConfig, run_pretrain
 from training.ray_utils import init_ray
-from training.vtab import VtabConfig, run_vtab
-from training.vtab import format_table as vtab_table
-from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
+from transfer.fewshot import FewshotConfig, run_fewshot
+from transfer.fewshot import format_table as fewshot_table
+from transfer.finetune import FinetuneConfig, run_finetune
+from transfer.vtab import VtabConfig, run_vtab
+from transfer.vtab import format_table as vtab_table
+from transfer.vtab_data import VtabPrepareConfig, run_vtab_prepare
 
 
 @dataclasses.dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import run_job  # noqa: E402
-from training.fewshot import RESULTS_FILE, FewshotConfig, format_table, run_fewshot  # noqa: E402
+from transfer.fewshot import RESULTS_FILE, FewshotConfig, format_table, run_fewshot  # noqa: E402
 
 
 def fewshot(cfg: FewshotConfig) -> None:

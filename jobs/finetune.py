@@ -8,7 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import run_job  # noqa: E402
-from training.finetune import FinetuneConfig, run_finetune  # noqa: E402
+from transfer.finetune import FinetuneConfig, run_finetune  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(run_job(FinetuneConfig, run_finetune, prog="finetune"))

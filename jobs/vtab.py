@@ -10,7 +10,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import run_job  # noqa: E402
-from training.vtab import CHART_FILE, RESULTS_FILE, VtabConfig, format_table, run_vtab  # noqa: E402
+from transfer.vtab import CHART_FILE, RESULTS_FILE, VtabConfig, format_table, run_vtab  # noqa: E402
 
 
 def vtab(cfg: VtabConfig) -> None:

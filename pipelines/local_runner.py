@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 _WILDCARDS = ("[::]", "0.0.0.0", "")
 _lock = threading.Lock()
@@ -206,17 +206,21 @@ class WorkerReaper:
     a SIGINT or SIGTERM sent to the driver alone left ``prepare`` waiting forever. So the
     workers are killed, and killed again until :meth:`close`: one still being started
     when the signal came (a CI run caught that) would otherwise be waited on for good.
-    The teardown's threads then log the broken streams; the process is ending with its
-    one line (``common.cli.run_job``), so their logs and thread tracebacks are dropped.
+    The teardown's threads then log the broken streams; the run is ending with its one line
+    (``common.cli.run_job``), so their logs and thread tracebacks are dropped until :meth:`close`,
+    which gives the process its logging and thread excepthook back.
     """
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self._thread: threading.Thread | None = None
+        self._muted: tuple[int, Any] | None = None
 
     def __call__(self, signum: int | None = None) -> None:
         import logging
 
+        if self._muted is None:
+            self._muted = (logging.root.manager.disable, threading.excepthook)
         logging.disable(logging.CRITICAL)
         threading.excepthook = lambda args: None
         self._kill()
@@ -225,7 +229,14 @@ class WorkerReaper:
             self._thread.start()
 
     def close(self) -> None:
+        import logging
+
         self._done.set()
+        if self._muted is not None:
+            level, hook = self._muted
+            logging.disable(level)
+            threading.excepthook = hook
+            self._muted = None
 
     def _reap(self) -> None:
         while not self._done.wait(0.1):

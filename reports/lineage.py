@@ -15,7 +15,7 @@ from reports.store import Run, Store, shard_set_name
 
 LINEAGE_TAG = "vitscale.lineage."
 UPSTREAM = ("prepare", "dedup", "pretrain", "finetune")
-# VTAB task folders hold these three shard sets (training/vtab_data.py).
+# VTAB task folders hold these three shard sets (transfer/vtab_data.py).
 VTAB_SPLITS = ("train800", "val200", "test")
 
 

@@ -142,6 +142,24 @@ def ray_session():
     ray.shutdown()
 
 
+def _make_pretrained(path: Path, *, img_size: int, representation_size: int) -> Path:
+    """A 2-block Ti/8 with a representation layer, saved as vitcore's checkpoint format."""
+    import torch
+
+    import vitcore
+
+    torch.manual_seed(0)
+    model = vitcore.create_model("Ti/8", num_classes=7, img_size=img_size, depth=2,
+                                 representation_size=representation_size)
+    vitcore.save_checkpoint(model, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def build_pretrained():
+    return _make_pretrained
+
+
 @pytest.fixture(scope="module")
 def mlflow_store(tmp_path_factory):
     """A throwaway sqlite MLflow store (``VITSCALE_HOME``) for one test module: the suite's only one.

@@ -6,16 +6,18 @@ From the bottom up (README, "Layout"):
     neardup/       near-duplicate signatures, the match rule and the test-set index, which the ingest uses
     pipelines/     the Beam ingest, the shard schema and readers
     dedup/         the re-checking job and the calibration: read corpora and shard sets through pipelines
-    training/      pre-training, fine-tuning, VTAB and few-shot, their loaders and Ray helpers
+    training/      pre-training: the trainer, checkpoints, metrics, loaders, the loop's pieces, and
+                   the Ray and MLflow-model helpers both stages use
+    transfer/      fine-tuning, VTAB-1k and few-shot: the SGD loop, the Tune sweeps and the VTAB tasks
     reports/       the comparison report: reads the MLflow store the stages wrote
     demo/          the end-to-end demo and its generated data (it ends with a report)
     jobs/ benchmarks/ infra/   entrypoints and tools
 A module may import its own package and anything of a lower layer; vitcore and common import
 only themselves. No two modules may import each other, directly or round a longer loop.
 
-Inside training/ the stages share parts and do not stack (STYLE.md): no stage imports another
-stage's module. The shared parts (sgd, sweep, loop, data, the VTAB registry and task folders, the
-Ray, MLflow and progress helpers) belong to no stage.
+The stages share parts and do not stack (STYLE.md): no stage imports another stage's module. The
+shared parts (transfer's sgd, sweep and VTAB registry and task folders; training's loop, data, Ray
+and MLflow helpers) belong to no stage.
 """
 from __future__ import annotations
 
@@ -23,14 +25,15 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT = ("common", "vitcore", "neardup", "dedup", "pipelines", "training", "reports", "demo", "jobs", "benchmarks", "infra")
-LAYER = {"common": 0, "vitcore": 0, "neardup": 1, "pipelines": 2, "dedup": 3, "training": 4, "reports": 5,
-         "demo": 6, "jobs": 7, "benchmarks": 7, "infra": 7}
+PROJECT = ("common", "vitcore", "neardup", "dedup", "pipelines", "training", "transfer", "reports", "demo", "jobs",
+           "benchmarks", "infra")
+LAYER = {"common": 0, "vitcore": 0, "neardup": 1, "pipelines": 2, "dedup": 3, "training": 4, "transfer": 5,
+         "reports": 6, "demo": 7, "jobs": 8, "benchmarks": 8, "infra": 8}
 SELF_CONTAINED = {"common", "vitcore"}
 # Pre-training's own components count as pre-training's wherever they exist.
 STAGE = {"training.pretrain": "pretrain", "training.trainer": "pretrain", "training.checkpointer": "pretrain",
-         "training.metrics": "pretrain", "training.finetune": "finetune", "training.vtab": "vtab",
-         "training.fewshot": "fewshot"}
+         "training.metrics": "pretrain", "transfer.finetune": "finetune", "transfer.vtab": "vtab",
+         "transfer.fewshot": "fewshot"}
 
 
 def layer_of(module: str) -> str:
@@ -155,6 +158,8 @@ def test_the_checks_catch_a_back_edge_and_a_cycle():
     graph["neardup.index"] = graph["neardup.index"] | {"dedup.calibration"}
     assert "common.config -> pipelines.schema (common may not import pipelines)" in back_edges(graph)
     assert "neardup.index -> dedup.calibration (neardup may not import dedup)" in back_edges(graph)
+    graph["training.pretrain"] = graph["training.pretrain"] | {"transfer.sweep"}
+    assert "training.pretrain -> transfer.sweep (training may not import transfer)" in back_edges(graph)
     graph["pipelines.schema"] = graph["pipelines.schema"] | {"pipelines.ingest"}
     assert any({"pipelines.schema", "pipelines.ingest"} <= set(c) for c in cycles(graph))
 
@@ -162,11 +167,11 @@ def test_the_checks_catch_a_back_edge_and_a_cycle():
 def test_the_stage_check_catches_one_stage_standing_on_another():
     graph = import_graph()
     assert stage_edges(graph) == []
-    graph["training.vtab"] = graph["training.vtab"] | {"training.finetune"}
+    graph["transfer.vtab"] = graph["transfer.vtab"] | {"transfer.finetune"}
     assert stage_edges(graph) == [
-        "training.vtab -> training.finetune (the vtab stage may not import the finetune stage; share the part instead)"]
+        "transfer.vtab -> transfer.finetune (the vtab stage may not import the finetune stage; share the part instead)"]
     assert back_edges(graph) == []  # a layer check alone would let it through
-    graph["training.finetune"] = graph["training.finetune"] | {"training.sgd"}
+    graph["transfer.finetune"] = graph["transfer.finetune"] | {"transfer.sgd"}
     assert len(stage_edges(graph)) == 1  # a shared part is no stage
 
 

@@ -1,6 +1,7 @@
-"""The training and transfer stages: pre-training on Ray Train (pretrain), fine-tuning over a
-Ray Tune learning-rate grid (finetune), with their shard loaders (data), training-loop pieces
-(loop) and Ray helpers (ray_utils).
+"""The pre-training stage: a ViT on Ray Train (pretrain, trainer), its checkpoints (checkpointer),
+rank 0's metrics (metrics), its shard loaders and augmentation (data, augment), the loop's pieces
+(loop, step), and the Ray and MLflow-model helpers that transfer/ uses too (ray_utils,
+loopback_torch, mlflow_model, run_artifacts).
 
-It stands on common, vitcore, pipelines and dedup; only demo/ and jobs/ import it.
+It stands on common, vitcore, pipelines and dedup; transfer/, reports/, demo/ and jobs/ import it.
 """

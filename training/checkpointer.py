@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from common.config import ConfigError, free_on_resume
+from common.config import ConfigError, changed_fields, free_on_resume
 
 TRAIN_STATE = "train_state.pt"
 STATE_FORMAT = "vitscale-pretrain/2"
@@ -27,8 +27,7 @@ RECORD = "checkpoint.json"
 def check_resumable(saved: dict, current: dict, free: Iterable[str]) -> None:
     """Refuse to continue a checkpoint under a different recipe, which would silently mix two runs;
     ``free`` names the fields a resume may change (:func:`common.config.free_on_resume`)."""
-    free = frozenset(free)
-    changed = sorted(k for k in set(saved) | set(current) if k not in free and saved.get(k) != current.get(k))
+    changed = changed_fields(saved, current, free)
     if changed:
         diffs = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in changed)
         raise ConfigError(
@@ -50,19 +49,28 @@ def read_record(folder: Path) -> dict | None:
     return None
 
 
-def scan_run(run_dir: Path, known: Iterable[str]) -> tuple[Path | None, dict | None, list[Path]]:
-    """The newest complete checkpoint in ``run_dir`` (a local Ray Train run folder) and its record,
-    after removing the checkpoint folders nothing will read: those that Ray Train's snapshot does
-    not list (``known``, folder names) and that are incomplete or older than the newest complete one.
-    Returns (folder or None, record or None, the folders removed)."""
-    known = set(known)
-    folders = sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir()) if run_dir.is_dir() else []
-    complete = [(rec["step"], p.name, p, rec) for p in folders if (rec := read_record(p)) is not None]
+def _folders(run_dir: Path) -> list[Path]:
+    return sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir()) if run_dir.is_dir() else []
+
+
+def newest_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
+    """The newest complete checkpoint folder in ``run_dir`` (a local Ray Train run folder) and its
+    record, by step (then name); (None, None) when it has none."""
+    complete = [(rec["step"], p.name, p, rec) for p in _folders(run_dir) if (rec := read_record(p)) is not None]
     newest = max(complete, key=lambda c: (c[0], c[1]), default=None)
-    removed = [p for p in folders if p.name not in known and (newest is None or p != newest[2])]
+    return (newest[2], newest[3]) if newest else (None, None)
+
+
+def scan_run(run_dir: Path, known: Iterable[str]) -> tuple[Path | None, dict | None, list[Path]]:
+    """:func:`newest_checkpoint`, after removing the checkpoint folders nothing will read: those that
+    Ray Train's snapshot does not list (``known``, folder names) and that are incomplete or older
+    than the newest complete one. Returns (folder or None, record or None, the folders removed)."""
+    known = set(known)
+    newest, record = newest_checkpoint(run_dir)
+    removed = [p for p in _folders(run_dir) if p.name not in known and p != newest]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
-    return (newest[2], newest[3], removed) if newest else (None, None, removed)
+    return newest, record, removed
 
 
 def gather(obj: Any) -> list:
@@ -103,7 +111,7 @@ class DataPosition:
     def state_dict(self, seen: list[float]) -> dict:
         """The position to resume from, with ``seen`` the rows summed over all ranks; a finished
         epoch is saved as the start of the next."""
-        if self.offset == self.steps_per_epoch:
+        if self.epoch_done:
             return {"epoch": self.epoch + 1, "offset": 0, "rows_seen": [0.0, 0.0, 0.0]}
         return {"epoch": self.epoch, "offset": self.offset, "rows_seen": seen}
 
@@ -162,7 +170,7 @@ class Checkpointer:
 
         ckpt = ray.train.get_checkpoint()
         # The driver's pick from disk (see scan_run) unless this fit has checkpointed since.
-        on_disk = trainer.run.get("resume_from") if isinstance(getattr(trainer, "run", None), dict) else None
+        on_disk = trainer.run.get("resume_from")
         if on_disk and (not ckpt or _step_of(ckpt) < trainer.run.get("resume_step", 0)):
             ckpt = ray.train.Checkpoint(on_disk)
         if not ckpt:
@@ -196,7 +204,7 @@ class Checkpointer:
             checkpoint = None
             if self.rank == 0:
                 torch.save({"format": STATE_FORMAT, **state, **position.state_dict(seen), "rng": rng,
-                            "cfg": dataclasses.asdict(self.cfg), "world": self.world}, Path(d) / TRAIN_STATE)
+                            "cfg": dataclasses.asdict(self.cfg)}, Path(d) / TRAIN_STATE)
                 vitcore.save_checkpoint(trainer.plain_model(state["model"]), Path(d) / MODEL_FILE)
                 files = {name: (Path(d) / name).stat().st_size for name in (TRAIN_STATE, MODEL_FILE)}
                 (Path(d) / RECORD).write_text(json.dumps({"step": trainer.step, "files": files,

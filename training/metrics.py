@@ -50,11 +50,13 @@ class MetricsSink:
         self.since_log, self.since_report = Window(), Window()
 
     @property
-    def logs(self) -> bool:
+    def logs_to_mlflow(self) -> bool:
+        """Whether this rank writes to the MLflow run: rank 0, when the driver opened one."""
         return self.rank == 0 and bool(self.run_id)
 
     @property
-    def posts(self) -> bool:
+    def posts_progress(self) -> bool:
+        """Whether this rank posts progress rows to the driver's board: rank 0, when there is one."""
         return self.rank == 0 and self.board is not None
 
     def sync(self) -> None:
@@ -78,7 +80,7 @@ class MetricsSink:
         self.since_report.correct = self.since_report.correct + correct
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.logs:
+        if self.logs_to_mlflow:
             tracking.log_metrics_to(self.run_id, metrics, step=step, uri=self.uri)
 
     def log_step(self, step: int, lr: float, grad_norm: Any) -> None:
@@ -89,7 +91,7 @@ class MetricsSink:
         w = self.since_log
         elapsed = time.perf_counter() - w.start
         images_all, wait_all = all_reduce_sum([w.images, w.wait], self.device)
-        if self.logs:
+        if self.logs_to_mlflow:
             metrics = {"train_loss": float(w.loss) / w.steps, "lr": lr, "grad_norm": float(grad_norm),
                        "images_per_second_per_worker": w.images / elapsed,
                        "images_per_second": images_all / elapsed,
@@ -98,7 +100,7 @@ class MetricsSink:
                 # MFU: model FLOPs (vitcore's count, backward = 2x forward) over the bf16 peak.
                 metrics["mfu"] = w.images / elapsed * self.flops_per_image / self.peak_flops
             self.log(metrics, step)
-        if self.posts:
+        if self.posts_progress:
             self.board.post.remote({"kind": "step", "time": time.time(), "step": step, "total": self.total_steps,
                                     "end": self.end_step, "loss": float(w.loss) / w.steps,
                                     "images_per_second": images_all / elapsed})
@@ -114,7 +116,7 @@ class MetricsSink:
                    "train_accuracy": correct_all / max(1, seen_all),
                    "images_per_second": seen_all / max(elapsed, 1e-9), **held}
         self.log({k: v for k, v in metrics.items() if k != "step"}, step)
-        if self.posts:
+        if self.posts_progress:
             self.board.post.remote({"kind": "report", "total": self.total_steps, **metrics})
         return metrics
 

@@ -412,17 +412,16 @@ def _resume_point(cfg: PretrainConfig, storage: tuple[str, Any], known: list[str
 
 def _kept(cfg: PretrainConfig, storage: tuple[str, Any], total_steps: int) -> str:
     """What an interrupted run leaves to resume from, in words."""
-    from training.checkpointer import read_record
+    from training.checkpointer import newest_checkpoint
 
     storage_path, storage_fs = storage
     run_dir = posixpath.join(storage_path, cfg.run_name)
     if storage_fs is not None:
         return f"run {cfg.run_name!r} keeps the checkpoints Ray Train recorded in {run_dir}"
-    complete = [(rec["step"], p) for p in Path(run_dir).glob("checkpoint_*") if (rec := read_record(p))]
-    if not complete:
+    folder, record = newest_checkpoint(Path(run_dir))
+    if folder is None:
         return f"run {cfg.run_name!r} had saved no checkpoint yet, so it starts from step 0 again"
-    step, folder = max(complete)
-    return f"run {cfg.run_name!r} kept its checkpoint at step {step} of {total_steps} ({folder})"
+    return f"run {cfg.run_name!r} kept its checkpoint at step {record['step']} of {total_steps} ({folder})"
 
 
 def _warn_one_class(cfg: PretrainConfig, shards: Any) -> None:
@@ -511,7 +510,7 @@ def _in_thread(fit: Any) -> Any:
 def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id: str, total_steps: int,
              restarts: int) -> dict[str, Any]:
     """The final checkpoint's model copied beside the summary, and the summary."""
-    from training.sweep import copy_final_model
+    from training.ray_utils import copy_final_model
 
     model_path = copy_final_model(result, output)
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}

@@ -1,15 +1,18 @@
-"""Connecting to Ray the same way from a laptop, a test session, `ray job submit` and a cluster."""
+"""Connecting to Ray the same way from a laptop, a test session, `ray job submit` and a cluster, and
+reading back what a finished Ray Train fit or Tune trial reported."""
 from __future__ import annotations
 
 import json
 import os
 import posixpath
+import shutil
 import sys
 from pathlib import Path
 
 import pyarrow.fs
 
 from common.config import ConfigError
+from common.fs import atomic_open
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +28,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
     - Otherwise: start Ray in-process on loopback only (:func:`_loopback_node`), without
       the dashboard.
 
-    Workers import this repository's packages (``common``, ``vitcore``, ``pipelines``, ``training``), so
+    Workers import this repository's packages (``common``, ``vitcore``, ``pipelines``, ``training``, ``transfer``), so
     an in-process start puts the repository root on their ``PYTHONPATH``.
     """
     import ray
@@ -100,6 +103,17 @@ def cpus_available() -> int:
     import ray
 
     return int(ray.cluster_resources().get("CPU", 1))
+
+
+def copy_final_model(result, output: Path) -> Path:
+    """Copy the model that a pre-training fit or a Tune trial (``transfer.sweep.report_final``)
+    reported with its last checkpoint into ``output``; returns its path there."""
+    from vitcore.checkpoint import MODEL_FILE
+
+    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
+            atomic_open(output / MODEL_FILE) as dst:
+        shutil.copyfileobj(src, dst)
+    return output / MODEL_FILE
 
 
 class ProgressBoard:

@@ -3,9 +3,9 @@ import json
 
 import pytest
 
-from common.config import ConfigError, from_dict, parse_args
-from training.finetune import FinetuneConfig
+from common.config import ConfigError, changed_fields, from_dict, parse_args
 from training.pretrain import PretrainConfig
+from transfer.finetune import FinetuneConfig
 
 
 def test_file_then_flags_override(tmp_path):
@@ -109,3 +109,10 @@ def test_a_plain_yaml_config_still_loads_and_a_huge_one_is_refused(tmp_path):
     big.write_text("x: " + "a" * 2_000_000 + "\n")
     with pytest.raises(ConfigError, match="too large"):
         load_file(big)
+
+
+def test_a_resume_sees_every_changed_field_but_the_free_ones():
+    saved = {"lr": 0.1, "steps": 40, "output": "/a", "dropout": None}
+    assert changed_fields(saved, {"lr": 0.3, "steps": 80, "output": "/b", "seed": 1}, free=["output"]) == [
+        "lr", "seed", "steps"]  # absent reads as None: "dropout" is unchanged, a new "seed" is not
+    assert changed_fields(saved, dict(saved)) == []

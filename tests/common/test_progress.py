@@ -112,7 +112,7 @@ def test_a_sweep_prints_a_line_per_trial_with_its_state_and_metric(ray_session, 
 
     monkeypatch.setenv("VITSCALE_PROGRESS_EVERY", "1e-9")  # every status update, not one per 15 s
 
-    from training.finetune import tune_sweep
+    from transfer.finetune import tune_sweep
 
     grid = tune_sweep(_trial, {"lr": tune.grid_search([0.25, -1.0])}, name="select", output=tmp_path,
                       resources={"cpu": 1}, metric="val_accuracy")

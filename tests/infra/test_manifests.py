@@ -147,8 +147,8 @@ def test_rayjob_entrypoint_runs_a_real_job_with_real_flags(path, obj):
 def test_entrypoints_parse_into_valid_configs():
     """Beyond flag names: values must pass the job's own typed config (types, choices, checks)."""
     from common.config import parse_args
-    from training.finetune import FinetuneConfig
     from training.pretrain import PretrainConfig
+    from transfer.finetune import FinetuneConfig
 
     configs = {"pretrain.py": PretrainConfig, "finetune.py": FinetuneConfig}
     checked = 0
@@ -205,7 +205,7 @@ def test_dockerfile_installs_torch_first_then_the_project_with_constraints():
     assert "--index-url \"${TORCH_INDEX_URL}\"" in lines[torch_at]
     assert not any("torchvision" in l for l in lines)
     copied = {tok for l in lines if l.startswith("COPY") for tok in l.split()[1:-1] if not tok.startswith("--")}
-    for name in ("pyproject.toml", "constraints.txt", "README.md", "vitcore", "common", "pipelines", "dedup", "training", "demo", "jobs"):
+    for name in ("pyproject.toml", "constraints.txt", "README.md", "vitcore", "common", "pipelines", "dedup", "training", "transfer", "demo", "jobs"):
         assert name in copied and (REPO / name).exists(), name
     # Every package setuptools installs must be copied before `pip install -e .`.
     include = __import__("tomllib").loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
@@ -217,7 +217,7 @@ def test_dockerignore_keeps_outputs_out_and_sources_in():
                 if l.strip() and not l.startswith("#")]
     for excluded in (".venv", "mlruns", ".git"):
         assert excluded in patterns
-    for needed in ("pyproject.toml", "constraints.txt", "README.md", "vitcore", "common", "pipelines", "dedup", "training", "demo", "jobs", "infra"):
+    for needed in ("pyproject.toml", "constraints.txt", "README.md", "vitcore", "common", "pipelines", "dedup", "training", "transfer", "demo", "jobs", "infra"):
         assert needed not in patterns
 
 

@@ -99,6 +99,20 @@ def _written_and_received(stream_cls, **kwargs) -> tuple[int, int]:
     return written, received
 
 
+def test_the_worker_reaper_gives_logging_and_the_thread_excepthook_back_when_closed():
+    import logging
+
+    from pipelines.local_runner import WorkerReaper
+
+    level, hook = logging.root.manager.disable, threading.excepthook
+    reaper = WorkerReaper()
+    reaper()  # the signal came: the teardown's broken-stream logs are dropped
+    assert logging.root.manager.disable == logging.CRITICAL and threading.excepthook is not hook
+    reaper()  # a second signal keeps what the first one found
+    reaper.close()
+    assert logging.root.manager.disable == level and threading.excepthook is hook
+
+
 def test_beams_time_based_flush_drops_elements_and_size_based_does_not():
     """Why flush_by_size_only exists. If the first half fails after a Beam upgrade, the race may be fixed."""
     from apache_beam.runners.worker.data_plane import (

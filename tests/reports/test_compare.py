@@ -31,8 +31,8 @@ def where_tag(stage: str) -> dict:
     """The tag a stage writes naming its config's where-it-ran fields (common.config.not_recipe)."""
     from dedup.job import DedupConfig
     from pipelines.config import PrepareConfig
-    from training.finetune import FinetuneConfig
     from training.pretrain import PretrainConfig
+    from transfer.finetune import FinetuneConfig
 
     cls = {"prepare": PrepareConfig, "dedup": DedupConfig, "pretrain": PretrainConfig, "finetune": FinetuneConfig}.get(stage)
     return {tracking.TAG_NOT_RECIPE: ",".join(sorted(not_recipe(cls)))} if cls else {}

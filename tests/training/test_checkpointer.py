@@ -38,7 +38,7 @@ def test_a_finished_epoch_is_saved_as_the_start_of_the_next():
 def test_the_newest_complete_checkpoint_is_found_and_folders_no_one_reads_are_removed(tmp_path):
     import json
 
-    from training.checkpointer import RECORD, scan_run
+    from training.checkpointer import RECORD, newest_checkpoint, scan_run
 
     def folder(name, step, *, torn=False, record=True):
         d = tmp_path / name
@@ -53,6 +53,7 @@ def test_the_newest_complete_checkpoint_is_found_and_folders_no_one_reads_are_re
     newest = folder("checkpoint_3", 15)
     folder("checkpoint_4", 20, torn=True)  # cut short: its state is not the size its record says
     folder("checkpoint_5", 25, record=False)  # its record never arrived
+    assert newest_checkpoint(tmp_path)[0] == newest  # what an interrupted run says it kept
     found, record, removed = scan_run(tmp_path, known=["checkpoint_1"])
     assert found == newest and record["step"] == 15
     assert sorted(p.name for p in removed) == ["checkpoint_2", "checkpoint_4", "checkpoint_5"]

@@ -1,4 +1,4 @@
-"""What pretrain and few-shot show on the console: step lines from rank 0, task lines, no Ray chatter."""
+"""What pretrain shows on the console: step lines from rank 0, no Ray chatter."""
 from __future__ import annotations
 
 import json
@@ -48,20 +48,3 @@ def test_pretrain_prints_step_lines_on_the_driver_and_none_of_rays_chatter(shard
     assert [int(m.group(1)) for m in epochs] == [0, 1], r.stderr  # one line per report, not one per rank
     assert int(epochs[-1].group(2)) == summary["steps"]
     assert not [line for line in lines if any(n in line for n in NOISE)], r.stderr
-
-
-def test_fewshot_prints_a_line_per_task_with_its_accuracies(tmp_path_factory, build_task_dirs, build_pretrained,
-                                                           tmp_path, mlflow_store, capsys):
-    from training.fewshot import FewshotConfig, run_fewshot
-
-    tasks = build_task_dirs(tmp_path_factory.mktemp("fewshot"), ["count"], train=40, test=10, train_size=24,
-                            val_size=8)
-    pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
-    capsys.readouterr()
-    summary = run_fewshot(FewshotConfig(pretrained=str(pretrained), task=[f"structured/count={tasks['count']}"],
-                                        output=str(tmp_path / "o"), shots=[1, 2], draws=1))
-    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fewshot: ")]
-    assert ours[0] == "fewshot: task count (1/1): RUNNING, extracting features"
-    shots = summary["tasks"]["count"]["shots"]
-    assert re.fullmatch(rf"fewshot: task count \(1/1\): done in \S+, 1-shot accuracy {shots['1']['mean']:.3f}, "
-                        rf"2-shot accuracy {shots['2']['mean']:.3f}", ours[-1]), ours

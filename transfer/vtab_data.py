@@ -34,7 +34,7 @@ from common.fs import atomic_write
 from pipelines import schema
 from pipelines.config import PrepareConfig
 from pipelines.ingest import run_prepare
-from training.vtab_tasks import GROUPS, SPLITS, TASKS, TRAIN_SIZE, VAL_SIZE, Task, custom_task
+from transfer.vtab_tasks import GROUPS, SPLITS, TASKS, TRAIN_SIZE, VAL_SIZE, Task, custom_task
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
 

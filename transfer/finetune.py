@@ -16,11 +16,11 @@ CPUs, ``gpus_per_trial`` of a GPU, fractions allowed) and its own MLflow run nes
 fine-tune run (Tune's own MLflow logging comes out flat).
 
 Batch 512 fits any device through gradient accumulation: ``batch_size`` is the optimiser batch
-and ``microbatch`` what goes through the model at once (:mod:`training.sgd`).
+and ``microbatch`` what goes through the model at once (:mod:`transfer.sgd`).
 
 Sweeps live under ``OUTPUT/ray/<name>``; running the same command again after an interruption
 restores them (finished trials are kept, unfinished and errored ones run again) and reopens the
-same MLflow run (:mod:`training.sweep`).
+same MLflow run (:mod:`transfer.sweep`).
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ from common.jobenv import durable_path
 from common.locks import FolderLock
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
 from training import run_artifacts
-from training.ray_utils import init_ray
-from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
-from training.sweep import copy_final_model, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from training.ray_utils import copy_final_model, init_ray
+from transfer.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
+from transfer.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 # Appendix B.1.1: the development sub-split per dataset, matched against --dataset or the

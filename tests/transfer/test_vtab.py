@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError
-from training.vtab import VtabConfig, aggregate, choose_setting, run_vtab
-from training.vtab_data import MissingTaskError, resolve_tasks
-from training.vtab_tasks import GROUPS, TASKS
+from transfer.vtab import VtabConfig, aggregate, choose_setting, run_vtab
+from transfer.vtab_data import MissingTaskError, resolve_tasks
+from transfer.vtab_tasks import GROUPS, TASKS
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = {"train_size": 40, "val_size": 16}
@@ -78,7 +78,7 @@ def test_folders_converter_repeats_its_keys_and_names_the_original_files(tasks, 
     a conversion run again into its own output replaces it."""
     from pipelines.schema import ShardSet
     from training.data import shard_keys
-    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
+    from transfer.vtab_data import VtabPrepareConfig, run_vtab_prepare
 
     raw = tasks["count"].parent / "raw" / "count"
     assert (raw / "train").is_dir()
@@ -99,7 +99,7 @@ def test_folders_converter_repeats_its_keys_and_names_the_original_files(tasks, 
 def test_split_converter_is_deterministic(tasks, tmp_path):
     from pipelines.schema import ShardSet
     from training.data import shard_keys
-    from training.vtab_data import split_shard_set
+    from transfer.vtab_data import split_shard_set
 
     src = tasks["digits"] / "train800"
     for d in ("a", "b"):
@@ -117,7 +117,7 @@ def test_tfds_converter_needs_tensorflow_datasets(tmp_path):
         pytest.skip("tensorflow-datasets is installed here")
     except ImportError:
         pass
-    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
+    from transfer.vtab_data import VtabPrepareConfig, run_vtab_prepare
 
     with pytest.raises(ConfigError, match="needs tensorflow-datasets, which is not installed"):
         run_vtab_prepare(VtabPrepareConfig(source="tfds", task="dtd", tfds_data_dir=str(tmp_path),
@@ -162,7 +162,7 @@ def vtab_run(tasks, pretrained, tmp_path_factory, ray_session):
         mp.undo()
 
 
-def test_vtab_results_have_the_issue_shape_and_means(vtab_run):
+def test_vtab_results_hold_the_setting_each_task_the_group_means_and_the_mean(vtab_run):
     results = json.loads((vtab_run["out"] / "vtab_results.json").read_text())
     assert set(results) == {"setting", "tasks", "groups", "mean"}
     assert set(results["tasks"]) == {"digits", "textures", "count"}

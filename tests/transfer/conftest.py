@@ -1,4 +1,5 @@
-"""Shared fixtures of the transfer tests: generated VTAB-style task folders and a tiny pre-trained ViT."""
+"""Shared fixtures of the transfer tests: generated VTAB-style task folders (the tiny pre-trained ViT
+is in tests/conftest.py: the pre-training interrupt tests use it too)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +14,7 @@ def make_task_dirs(root: Path, names: list[str] | None = None, *, train: int, te
     ``names`` picks some of them; ``split_sizes`` are the converter's ``train_size``/``val_size``.
     """
     from demo.data import build_vtab_tasks
-    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
+    from transfer.vtab_data import VtabPrepareConfig, run_vtab_prepare
 
     mp = pytest.MonkeyPatch()
     mp.setenv("VITSCALE_HOME", str(root / "mlruns-prepare"))
@@ -29,24 +30,6 @@ def make_task_dirs(root: Path, names: list[str] | None = None, *, train: int, te
     return out
 
 
-def make_pretrained(path: Path, *, img_size: int, representation_size: int) -> Path:
-    """A 2-block Ti/8 with a representation layer, saved as vitcore's checkpoint format."""
-    import torch
-
-    import vitcore
-
-    torch.manual_seed(0)
-    model = vitcore.create_model("Ti/8", num_classes=7, img_size=img_size, depth=2,
-                                 representation_size=representation_size)
-    vitcore.save_checkpoint(model, path)
-    return path
-
-
 @pytest.fixture(scope="session")
 def build_task_dirs():
     return make_task_dirs
-
-
-@pytest.fixture(scope="session")
-def build_pretrained():
-    return make_pretrained

@@ -10,9 +10,9 @@ the 200-example validation sets", at 384 px for every task. So:
 
 Every trial starts from the pre-trained model with its position embeddings interpolated to
 ``img_size`` and one zero-initialised linear head, and trains with the fine-tuning recipe of
-:mod:`training.sgd` (SGD momentum 0.9, batch 512 via accumulation, clip 1, warm-up + cosine), with
+:mod:`transfer.sgd` (SGD momentum 0.9, batch 512 via accumulation, clip 1, warm-up + cosine), with
 each task's flip/crop exclusions. Trials run concurrently as Ray's resources allow, are retried
-on failure, and a re-run with the same ``--output`` resumes both sweeps (:mod:`training.sweep`).
+on failure, and a re-run with the same ``--output`` resumes both sweeps (:mod:`transfer.sweep`).
 """
 from __future__ import annotations
 
@@ -28,10 +28,10 @@ from common.fs import atomic_write, make_output_dir
 from common.jobenv import durable_path
 from common.locks import FolderLock
 from training.ray_utils import init_ray
-from training.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
-from training.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
-from training.vtab_data import resolve_tasks, task_records
-from training.vtab_tasks import GROUPS
+from transfer.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
+from transfer.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from transfer.vtab_data import resolve_tasks, task_records
+from transfer.vtab_tasks import GROUPS
 
 RESULTS_FILE = "vtab_results.json"
 CHART_FILE = "vtab_results.png"
@@ -153,7 +153,8 @@ def choose_setting(val: dict[tuple, dict[str, float]], task_names: list[str], se
 
 
 def aggregate(tasks: dict[str, dict], setting: dict, val: dict[str, float], test: dict[str, float]) -> dict:
-    """The results in the issue's shape: setting, per-task val/test, group means, the mean."""
+    """The results as VTAB reports them: the chosen setting, per-task val/test, the mean of each group
+    and the mean over every task."""
     per_task = {n: {"group": tasks[n]["group"], "val_accuracy": val[n], "test_accuracy": test[n]} for n in tasks}
     groups = {g: mean(r["test_accuracy"] for r in per_task.values() if r["group"] == g)
               for g in GROUPS if any(r["group"] == g for r in per_task.values())}

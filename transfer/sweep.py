@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -19,9 +18,9 @@ from typing import Any, Iterable, Iterator, Mapping
 
 from common import progress, tracking
 from common.cli import Interrupted, interrupts
-from common.config import ConfigError
-from common.fs import atomic_open, atomic_write
-from training import tune_state
+from common.config import ConfigError, changed_fields
+from common.fs import atomic_write
+from transfer import tune_state
 
 STATE_FILE = "sweep_state.json"
 
@@ -43,10 +42,6 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
 
     from common.progress import TrialLines  # builds a ray.tune.Callback: loads Ray
 
-
-    # Save the sweep's state after every event, not every 10 s or more: a sweep killed just after
-    # a trial finished must not run that trial again on resume. The state is a few kB per trial.
-    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "0")
     storage, files = output / "ray", tune_state.storage()
     trainable = tune.with_resources(trainable, resources)
     folder = storage / name
@@ -68,8 +63,12 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
     # even at verbose=0; the older one, which Tune reads this variable for, honours verbose=0.
     # Tune's own SIGINT handler stops the sweep and returns half a result grid, then prints a
     # Tuner.restore hint; Ctrl-C ends the stage instead (sweep_run says what was kept).
+    # The sweep's state is saved after every event (a value the caller set stands), not every 10 s
+    # or more: a sweep killed just after a trial finished must not run that trial again on resume.
+    # The state is a few kB per trial. Tune reads it when fit starts its controller.
     with _env("RAY_AIR_NEW_OUTPUT", None if progress.verbose() else "0"), \
-            _env("TUNE_DISABLE_SIGINT_HANDLER", "1"), interrupts():
+            _env("TUNE_DISABLE_SIGINT_HANDLER", "1"), \
+            _env("TUNE_GLOBAL_CHECKPOINT_S", os.environ.get("TUNE_GLOBAL_CHECKPOINT_S", "0")), interrupts():
         return tuner.fit()
 
 
@@ -101,17 +100,6 @@ def report_final(metrics: dict, model) -> None:
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
 
-def copy_final_model(result, output: Path) -> Path:
-    """Copy the model a trial (:func:`report_final`) or a pre-training fit reported with its last
-    checkpoint into ``output``; returns its path there."""
-    from vitcore.checkpoint import MODEL_FILE
-
-    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
-            atomic_open(output / MODEL_FILE) as dst:
-        shutil.copyfileobj(src, dst)
-    return output / MODEL_FILE
-
-
 def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Iterable[str] = ()) -> dict | None:
     """The state of an interrupted sweep in ``output`` (its MLflow run), or None for a new one.
 
@@ -122,8 +110,7 @@ def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Ite
         return None
     state = json.loads(path.read_text())
     old = state.get("config", {})
-    ignore = set(fresh_keys)
-    changed = sorted(k for k in set(old) | set(config) if k not in ignore and old.get(k) != config.get(k))
+    changed = changed_fields(old, config, fresh_keys)
     if changed:
         k = changed[0]
         raise ConfigError(

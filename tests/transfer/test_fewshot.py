@@ -1,7 +1,8 @@
-"""Few-shot linear evaluation over task folders: separable features, the whole flow, MLflow."""
+"""Few-shot linear evaluation over task folders: separable features, the whole flow, MLflow, the console lines."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from training import fewshot
-from training.fewshot import FewshotConfig, evaluate_task, run_fewshot
+from transfer import fewshot
+from transfer.fewshot import FewshotConfig, evaluate_task, run_fewshot
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,3 +79,18 @@ def test_fewshot_entrypoint_names_a_missing_task(tmp_path, pretrained):
                          cwd=tmp_path)
     assert out.returncode == 2
     assert "task dtd: " in out.stderr and "jobs/vtab_prepare.py --source tfds --task dtd" in out.stderr
+
+
+def test_fewshot_prints_a_line_per_task_with_its_accuracies(tmp_path_factory, build_task_dirs, build_pretrained,
+                                                           tmp_path, mlflow_store, capsys):
+    tasks = build_task_dirs(tmp_path_factory.mktemp("fewshot"), ["count"], train=40, test=10, train_size=24,
+                            val_size=8)
+    pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
+    capsys.readouterr()
+    summary = run_fewshot(FewshotConfig(pretrained=str(pretrained), task=[f"structured/count={tasks['count']}"],
+                                        output=str(tmp_path / "o"), shots=[1, 2], draws=1))
+    ours = [line for line in capsys.readouterr().err.splitlines() if line.startswith("fewshot: ")]
+    assert ours[0] == "fewshot: task count (1/1): RUNNING, extracting features"
+    shots = summary["tasks"]["count"]["shots"]
+    assert re.fullmatch(rf"fewshot: task count \(1/1\): done in \S+, 1-shot accuracy {shots['1']['mean']:.3f}, "
+                        rf"2-shot accuracy {shots['2']['mean']:.3f}", ours[-1]), ours

@@ -12,7 +12,7 @@ import pytest
 
 import vitcore
 from common.config import ConfigError
-from training.finetune import FinetuneConfig, run_finetune
+from transfer.finetune import FinetuneConfig, run_finetune
 
 REPO = Path(__file__).resolve().parents[2]
 

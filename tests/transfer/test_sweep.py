@@ -1,4 +1,4 @@
-"""training.sweep: Tune sweeps retry failed trials, resume from any kill, and refuse changed flags."""
+"""transfer.sweep: Tune sweeps retry failed trials, resume from any kill, and refuse changed flags."""
 import os
 import shutil
 from pathlib import Path
@@ -7,7 +7,7 @@ import pytest
 
 from common.config import ConfigError
 from training.ray_utils import init_ray
-from training.sweep import open_sweep_state, save_sweep_state, tune_sweep
+from transfer.sweep import open_sweep_state, save_sweep_state, tune_sweep
 
 
 def test_a_resumed_sweep_refuses_changed_flags_but_not_where_it_runs(tmp_path):
@@ -21,8 +21,10 @@ def test_a_resumed_sweep_refuses_changed_flags_but_not_where_it_runs(tmp_path):
         open_sweep_state(tmp_path, {**config, "steps": 10})
 
 
-def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path):
+def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path, monkeypatch):
     from ray import tune
+
+    monkeypatch.delenv("TUNE_GLOBAL_CHECKPOINT_S", raising=False)
 
     def flaky(config):  # local: Tune ships it by value to its workers
         from ray import tune
@@ -40,6 +42,7 @@ def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path):
                       metric="score", max_failures=1)
     assert sorted(r.metrics["score"] for r in grid) == [1.0, 2.0] and not grid.errors
     assert [(tmp_path / f"attempts-{x}").read_text() for x in (1, 2)] == ["2", "2"]
+    assert "TUNE_GLOBAL_CHECKPOINT_S" not in os.environ  # the sweep's setting ends with it
 
     space["fail_first"] = 5  # more failures than retries: the trial ends in error, not silently
     grid = tune_sweep(flaky, {**space, "x": 3}, name="gives-up", output=tmp_path / "out", resources={"cpu": 1},
@@ -105,7 +108,7 @@ def test_a_state_file_cut_short_moves_the_sweep_aside_in_one_line_and_runs_it_ag
 def test_tunes_storage_writes_a_file_whole_or_not_at_all(tmp_path):
     import pickle
 
-    from training.tune_state import storage
+    from transfer.tune_state import storage
 
     fs = pickle.loads(pickle.dumps(storage()))  # as Tune ships it to its trial actors
     target = tmp_path / "state.json"

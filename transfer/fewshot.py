@@ -24,9 +24,9 @@ from common.config import check
 from common.fs import atomic_write
 from common.jobenv import durable_path
 from common.progress import ProgressLine, duration, eta_text
-from training.sgd import pretrained_file
-from training.vtab_data import resolve_tasks, task_records
-from training.vtab_tasks import GROUPS
+from transfer.sgd import pretrained_file
+from transfer.vtab_data import resolve_tasks, task_records
+from transfer.vtab_tasks import GROUPS
 
 RESULTS_FILE = "fewshot_results.json"
 

@@ -1,10 +1,10 @@
-"""training.sgd: the fine-tuning loop's Polyak averaging, and what a trial's worker prints as it is stopped."""
+"""transfer.sgd: the fine-tuning loop's Polyak averaging, and what a trial's worker prints as it is stopped."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from training.sgd import Polyak
+from transfer.sgd import Polyak
 
 
 def test_polyak_average_is_what_the_run_evaluates():
@@ -55,7 +55,7 @@ def _sigterm_in_a_finalizer() -> int:
 def test_a_sigterm_landing_in_a_finalizer_prints_no_traceback_from_a_trial(ray_session, mute):
     from ray._private import worker as ray_worker
 
-    from training.sgd import start_trial
+    from transfer.sgd import start_trial
 
     def trial_worker(mute):
         if mute:
