@@ -66,7 +66,7 @@ from common.fs import url_to_fs as _fs
 from common.jobenv import durable_path
 from common.progress import TTY_EVERY, IngestProgress, ProgressLine, Ticker
 from neardup.signatures import SIGNATURE_VERSION
-from pipelines import local_runner, schema, worker_counts
+from pipelines import direct_runner, glibc, schema, worker_counts
 from pipelines.config import PrepareConfig
 from pipelines.output import OutputFolder
 from pipelines.process import ProcessOptions, process_item, reject
@@ -382,13 +382,13 @@ def pipeline_options(cfg: PrepareConfig, *, dask_address: str | None = None, par
         mode = "in_memory" if _in_process(cfg) else "multi_processing"
         flags += [f"--direct_num_workers={cfg.workers}", f"--direct_running_mode={mode}"]
         if not _in_process(cfg):
-            local_runner.flush_by_size_only()  # Beam's periodic flush drops elements (local_runner)
+            direct_runner.flush_by_size_only()  # Beam's periodic flush drops elements (direct_runner)
         if not _in_process(cfg) and not any(o.startswith("--environment_type") for o in cfg.beam_options):
             # Local worker processes: serve them on loopback only, and keep their
             # start-up chatter off the terminal (a user's own flags come later and win).
-            local_runner.bind_servers_to_loopback()
-            local_runner.workers_in_own_session()
-            flags += local_runner.QUIET_WORKER_FLAGS
+            direct_runner.bind_servers_to_loopback()
+            direct_runner.workers_in_own_session()
+            flags += direct_runner.QUIET_WORKER_FLAGS
     return PipelineOptions(flags + list(cfg.beam_options))
 
 
@@ -676,13 +676,13 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             channel = worker_counts.channel_dir(staging, fs)
             line = ProgressLine("prepare")
             watch = IngestProgress(line, worker_counts.Totals(channel).poll if channel else None, n_units, known)
-            reaper = local_runner.WorkerReaper()
+            reaper = direct_runner.WorkerReaper()
             try:
                 with Ticker(watch.tick, min(TTY_EVERY, line.every) if line.enabled else 60.0), \
                         interrupts(reaper):
-                    runner = local_runner.direct_runner(options) if _direct(run_cfg) else None
+                    runner = direct_runner.direct_runner(options) if _direct(run_cfg) else None
                     # The multi-worker driver's buffers go back to the system when freed (issue 24).
-                    pinned = (local_runner.mmap_threshold_pinned() if _direct(run_cfg) and not _in_process(run_cfg)
+                    pinned = (glibc.mmap_threshold_pinned() if _direct(run_cfg) and not _in_process(run_cfg)
                               else contextlib.nullcontext())
                     with pinned, beam.Pipeline(runner=runner, options=options) as p:
                         build_pipeline(p, plan, cfg, label_map, index, fs.unstrip_protocol(f"{staging}/shards"),
@@ -709,7 +709,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
                         f"with {staging} and the MLflow run {run.info.run_id} (failed_attempt_*/outputs.jsonl)"
                     ) from None
                 # Should the DirectRunner's multi-worker streams still lose elements
-                # (local_runner.flush_by_size_only), the in-process runner has none of them; the
+                # (direct_runner.flush_by_size_only), the in-process runner has none of them; the
                 # pipeline is deterministic, so its shards are exactly those of a clean first run.
                 if _direct(run_cfg) and not _in_process(run_cfg):
                     run_cfg = dataclasses.replace(run_cfg, workers=1)

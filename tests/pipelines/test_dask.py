@@ -164,7 +164,7 @@ def test_a_finished_bundle_keeps_none_of_its_outputs():
     """A Dask worker keeps a task's arguments until its result is released, and Beam's receivers are one.
 
     Stock Beam leaves every output of a bundle in them, so a step before a shuffle held all it
-    emitted (decoded images) until the shuffle had every partition: issue 24's growth on Dask.
+    emitted (decoded images) until the shuffle had every partition: the workers' growth on Dask.
     (Where the tasks share one copy of the arguments, as in Dask's in-process scheduler here,
     stock Beam even emitted earlier bundles' outputs again: 60 elements instead of 24.)
     """
