@@ -5,7 +5,7 @@ each behaviour, and ``docs/scale-out.md`` what it costs in memory.
 
 - **Tagged outputs** reach every consumer: the DaskRunner hands a ``ParDo``'s whole output bag
   to ``with_outputs``, ``with_exception_handling`` and ``Partition`` consumers alike. Not worked
-  around: the ingest uses no tagged outputs (:mod:`pipelines.ingest`), and ``--runner dask``
+  around: the ingest uses no tagged outputs (:mod:`pipelines.graph`), and ``--runner dask``
   refuses ``--isolate-decoder``, which needs them.
 - **Side inputs are computed again** inside each consumer's task, and can come out wrong.
   :class:`DaskRunner` makes each one an ordinary dependency, computed once on the cluster.

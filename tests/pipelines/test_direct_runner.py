@@ -11,7 +11,7 @@ import pytest
 
 from pipelines.config import PrepareConfig
 from pipelines.direct_runner import direct_runner, loopback_address
-from pipelines.ingest import pipeline_options
+from pipelines.runners import pipeline_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -58,7 +58,7 @@ def test_workers_keep_quiet_but_project_warnings_get_through(tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         import apache_beam as beam
         from pipelines.config import PrepareConfig
-        from pipelines.ingest import pipeline_options
+        from pipelines.runners import pipeline_options
         from pipelines.direct_runner import direct_runner
 
         def probe(x):
