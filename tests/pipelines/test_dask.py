@@ -244,7 +244,7 @@ class _Partials(beam.CombineFn):
 
 
 def test_combines_are_lifted_one_accumulator_per_bundle_crosses_the_shuffle(cluster, tmp_path):
-    """Issue 24: stock Beam on Dask sends every element of a combine through a task shuffle, whose
+    """Stock Beam on Dask sends every element of a combine through a task shuffle, whose
     pieces the workers keep until all are split; the ingest counts every input four times that way."""
     out = tmp_path / "out"
     n = 1000
