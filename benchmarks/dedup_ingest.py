@@ -2,7 +2,7 @@
 
 The per-item path of the ingest (:func:`pipelines.process.process_item`: decode, validate,
 content hash, corpus signatures, resize, encode) on 2 MP JPEGs, then, with a test set, the
-per-record lookup the Beam pipeline runs (``pipelines.ingest._match_test_sets``) against an
+per-record lookup the Beam pipeline runs (``pipelines.graph.match_test_sets``) against an
 index of ``--index`` test images (random codes under every crop variant, as
 ``benchmarks/dedup.py`` builds it, plus the photos' own test crops so some records match).
 Also timed, in the same run: the signatures alone (``signatures.compute``, the whole-image
@@ -39,7 +39,7 @@ from neardup import signatures as sig
 from neardup.index import TestSetIndex
 from neardup.transforms import apply
 from pipelines import process
-from pipelines.ingest import _match_test_sets
+from pipelines.graph import match_test_sets
 from pipelines.process import ProcessOptions, process_item
 from pipelines.sources import SourceItem
 
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
         index.add("bench", name, apply("reverse_crop_5_all_q50", photos[i][0]), source=f"/test/{name}")
     index._ensure()
     records = [process_item(it, opts) for it in items]
-    matched = sum(_match_test_sets(r, index)["_t"] == "duplicate" for r in records)
+    matched = sum(match_test_sets(r, index)["_t"] == "duplicate" for r in records)
 
     decoded = [process.decode_image(d, uri="b", draft_short_side=opts.size) for _, d in photos]
     # what the signatures would cost on the image the ingest stores (resized to opts.size)
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
     real = sig.corpus_codes
     for _ in range(args.repeats):  # interleaved, so a busy moment hits every loop alike
         without = min(without, best(lambda it: process_item(it, opts), items, 1))
-        with_set = min(with_set, best(lambda it: _match_test_sets(process_item(it, opts), index), items, 1))
+        with_set = min(with_set, best(lambda it: match_test_sets(process_item(it, opts), index), items, 1))
         sig.corpus_codes = sig.compute
         try:
             old_path = min(old_path, best(lambda it: process_item(it, opts), items, 1))
@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
         corpus_s = min(corpus_s, best(sig.corpus_codes, decoded, 1))
         stored_s = min(stored_s, best(sig.corpus_codes, stored, 1))
         proxy_s = min(proxy_s, best(sig.proxy, decoded, 1))
-        lookup_s = min(lookup_s, best(lambda r: _match_test_sets(r, index), records, 1))
+        lookup_s = min(lookup_s, best(lambda r: match_test_sets(r, index), records, 1))
     result = {
         "benchmark": "dedup_ingest_cost", "photos": args.n, "megapixels": args.megapixels,
         "index_images": len(index), "records_matched": int(matched),

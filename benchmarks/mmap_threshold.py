@@ -1,7 +1,7 @@
 """What a pinned glibc mmap threshold costs CPU training in the same process (issue 24).
 
 The multi-worker DirectRunner's driver pins the threshold at 128 KiB for the length of the
-pipeline (:func:`pipelines.local_runner.mmap_threshold_pinned`) and sets glibc's 32 MiB ceiling
+pipeline (:func:`pipelines.glibc.mmap_threshold_pinned`) and sets glibc's 32 MiB ceiling
 after it. This measures why it does not leave it pinned: a process that runs an ingest and then
 trains (the demo, a test session) keeps the setting. Each mode runs in a fresh process: an MLP
 block of ViT-B's width (768-3072-768) takes AdamW steps on 256 rows, 2 threads, ``--steps``
@@ -31,7 +31,7 @@ import machine  # noqa: E402
 
 _STEP = """
 import sys, time, torch
-from pipelines.local_runner import THRESHOLD_CEILING, pin_mmap_threshold
+from pipelines.glibc import THRESHOLD_CEILING, pin_mmap_threshold
 mode, steps = sys.argv[1], int(sys.argv[2])
 if mode in ("pinned", "ceiling"):
     assert pin_mmap_threshold(), "no glibc mallopt here"

@@ -1,9 +1,9 @@
 """One writer per output folder: a lock file that names its holder, on a local disk or over fsspec.
 
-Two runs of a stage into one folder overwrite each other's files: ``prepare`` mixed two runs'
-shards under one manifest, and two ``pretrain`` runs resuming the same run wrote the same
-checkpoint folders. A run holds ``FOLDER/.<stage>.lock`` (its host, pid and start time) from start
-to end, and a second run is refused in one line that names the holder.
+Two runs of a stage into one folder would overwrite each other's files (shards mixed under one
+manifest, one checkpoint folder written twice), so a run holds ``FOLDER/.<stage>.lock`` (its
+host, pid and start time) from start to end, and a second run is refused in one line that
+names the holder.
 
 - On a local disk the lock is an ``flock``, which the kernel drops with its process, however the
   process ends.
@@ -24,8 +24,7 @@ import uuid
 from typing import Any
 
 from common.config import InputError
-from common.fs import is_local, read_json_object
-from common.fs import url_to_fs as _fs
+from common.fs import is_local, read_json_object, url_to_fs
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +72,7 @@ class FolderLock:
     """
 
     def __init__(self, url: str, stage: str, writer: str | None = None):
-        self.fs, root = _fs(str(url))
+        self.fs, root = url_to_fs(str(url))
         self.path = f"{root}/{lock_name(stage)}"
         self.stage, self.label = stage, f"output {url}"
         self.info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(), "token": uuid.uuid4().hex,

@@ -5,9 +5,16 @@ import dataclasses
 import os
 from typing import Literal
 
-from common.config import check, parse_named
+from common.config import InputError, check, parse_named
 from common.fs import normalize_root
 from pipelines.decode import DEFAULT_MAX_FILE_MB, DEFAULT_MAX_MEGAPIXELS
+
+#: The Beam metrics namespace of the ingest's counters (``beam.*`` metrics in MLflow).
+NAMESPACE = "prepare"
+
+
+class PrepareError(InputError):
+    """A usage error found before the pipeline starts (missing input, bad label map, output inside an input)."""
 
 
 def parse_test_sets(specs: list[str], field_name: str = "test_set") -> dict[str, str]:

@@ -1,76 +1,30 @@
 """Beam 2.77 on a ``dask.distributed`` cluster: the runner the ingest uses, and the clusters it starts.
 
-Every workaround for Beam's ``DaskRunner`` lives here. What Beam 2.77 gets wrong on Dask, and
-what the project does about each (``tests/pipelines/test_dask.py`` shows each behaviour):
+Every workaround for Beam's ``DaskRunner`` lives here; ``tests/pipelines/test_dask.py`` shows
+each behaviour, and ``docs/scale-out.md`` what it costs in memory.
 
-**Tagged outputs.** The DaskRunner turns a ``ParDo`` into one Dask bag that holds everything the
-``DoFn`` emitted, and hands that whole bag to every consumer: a ``ParDo`` with ``with_outputs``
-delivers the main output's elements to each tagged output too, and so do
-``with_exception_handling`` (its dead-letter output gets the good elements) and
-``beam.Partition``. Not worked around here: the ingest (:mod:`pipelines.ingest`) uses no tagged
-outputs on any runner. Each step has one output whose records say their kind, split by
-``beam.Filter``. ``--isolate-decoder`` needs ``with_exception_handling(use_subprocess=True)``,
-so ``--runner dask`` refuses it.
+- **Tagged outputs** reach every consumer: the DaskRunner hands a ``ParDo``'s whole output bag
+  to ``with_outputs``, ``with_exception_handling`` and ``Partition`` consumers alike. Not worked
+  around: the ingest uses no tagged outputs (:mod:`pipelines.graph`), and ``--runner dask``
+  refuses ``--isolate-decoder``, which needs them.
+- **Side inputs are computed again** inside each consumer's task, and can come out wrong.
+  :class:`DaskRunner` makes each one an ordinary dependency, computed once on the cluster.
+- **A task keeps its outputs** (in its receivers, a task argument) until a shuffle has every
+  partition, and **drops what ``finish_bundle`` emits**. :func:`_apply_dofn` fixes both.
+- **Combines are not lifted**: every ``CombinePerKey`` shuffles one element per input.
+  :func:`overrides` lifts each one without side inputs into Beam's ``LiftedCombinePerKey``.
+- **Freed memory is kept** inside glibc's heap; :func:`give_back_freed_memory` returns it.
+- **Only the last step runs**, so the ingest's last step collects every output.
+- **The client is never closed**; :class:`DaskRunner`'s result closes it.
+- **Metrics** raise ``NotImplementedError``; the ingest counts from its outputs on every runner.
 
-**Side inputs computed again.** The stock runner passes a side input to its consumer as the
-Dask bag itself, and the consumer's task computes that bag when it first reads it. So
-everything upstream of a side input runs again inside a consumer's task, outside the
-cluster's scheduling: the ingest's shard count and label map (side inputs over every
-record) would decode the corpus again, and every ``CombineGlobally`` and ``ToList`` (they
-inject their default through a side input) would repeat the pipeline before it. Worse, the
-values can come out wrong: a ``CombineGlobally(sum)`` read as a side input by a step that
-shares its input saw every element twice. :class:`DaskRunner` makes each side input an
-ordinary dependency of the consuming tasks, computed once on the cluster and passed to them
-as a list.
-
-**Outputs kept with the task.** The stock ``ParDo`` passes its output receivers as a task
-argument and leaves the whole bundle's outputs in them; a worker keeps a task's arguments
-until its result is released, which before a shuffle is when every partition has reached it.
-So each decode task kept its records, images included, for most of the run (issue 24).
-:func:`_apply_dofn` empties them when the bundle ends.
-
-**Outputs of ``finish_bundle`` dropped.** Beam's ``apply_dofn_to_bundle`` collects a bundle's
-outputs before it calls ``finish_bundle``, so whatever a ``DoFn`` emits there is lost without a
-word. :func:`_apply_dofn` collects them after.
-
-**Combines not lifted.** The portable runners combine each bundle's values before the
-shuffle ("combiner lifting"); Beam's DaskRunner runs every ``CombinePerKey`` as a
-``GroupByKey`` of every element, then the combine. Each ``CombineGlobally(sum)``, ``Count``,
-``Distinct`` and ``ToList`` over the corpus therefore sent one element per input through a
-task shuffle, and a task shuffle keeps its split pieces in the workers' memory until every
-partition has been split: the ingest's four counts of every input were most of the workers'
-growth, which reached 8.8 KB per input, until decoding ended (issue 24). :func:`overrides`
-replaces each ``CombinePerKey`` without side inputs by Beam's own ``LiftedCombinePerKey`` (a
-``ParDo`` that combines a bundle into one accumulator per key and emits it from
-``finish_bundle``, the ``GroupByKey``, then a merge), so one accumulator per key and partition
-crosses the shuffle.
-
-**Freed memory kept.** A worker decodes images between long-lived small objects, so glibc keeps
-what each bundle frees as free chunks inside its heap; :func:`give_back_freed_memory` returns
-those pages after a bundle, at most once a second.
-
-**Only the last step runs.** The runner computes the Dask graph of the last transform
-applied and nothing else; a branch that does not feed it is silently skipped. Not worked
-around: the ingest's last step collects every output it has.
-
-**The client is never closed.** The stock runner opens a ``distributed.Client`` per run
-and keeps it, so a finished job waits on the scheduler and logs reconnection errors when
-the cluster goes. :class:`DaskRunner`'s result closes it when the run ends.
-
-**Metrics.** The stock runner's ``metrics()`` raises ``NotImplementedError``. The ingest
-takes its counts from the pipeline's outputs on every runner, so it only loses the
-``beam.*`` counters in MLflow on Dask.
-
-The clusters: :func:`local_cluster` starts a ``LocalCluster`` of worker processes bound to
-127.0.0.1 (scheduler, workers, nannies; no dashboard), for ``--runner dask`` without an
-address. :func:`connect` checks an existing scheduler before the pipeline starts, so an
-unreachable ``--dask-address`` is one line, not a traceback after the graph is built.
+:func:`local_cluster` starts a ``LocalCluster`` on 127.0.0.1 for ``--runner dask`` without an
+address; :func:`connect` checks a ``--dask-address`` before the pipeline is built.
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import dataclasses
 import logging
 import time
@@ -82,6 +36,8 @@ from apache_beam.runners.dask import dask_runner as _beam_dask
 from apache_beam.runners.dask import transform_evaluator as _te
 from apache_beam.runners.runner import PipelineState
 from apache_beam.transforms.sideinputs import SideInputMap
+
+from pipelines.glibc import malloc_trim
 
 log = logging.getLogger(__name__)
 
@@ -125,24 +81,15 @@ _last_trim = [0.0]
 def give_back_freed_memory(interval: float = TRIM_INTERVAL_S) -> bool:
     """Return the pages glibc keeps free inside its heaps to the system, at most once per ``interval`` s.
 
-    A Dask worker decodes images between long-lived small objects (the records waiting for a
-    shuffle, the worker's own task state), so the memory each bundle frees stays inside glibc's
-    heap as free chunks it cannot shrink past; at 80,000 inputs that was 140 MB more per worker
-    by the end of decoding (issue 24). ``malloc_trim(0)`` hands the free pages back wherever they
-    are. Returns whether it ran: False where the C library has no ``malloc_trim`` (macOS, musl),
-    or when the last call was under ``interval`` s ago.
+    A worker decodes images between long-lived small objects (records waiting for a shuffle,
+    its own task state), so what each bundle frees stays in the heap as free chunks it cannot
+    shrink past. Returns whether it ran (:func:`pipelines.glibc.malloc_trim`).
     """
     now = time.monotonic()
     if now - _last_trim[0] < interval:
         return False
     _last_trim[0] = now
-    try:
-        trim = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError):
-        return False
-    trim.argtypes, trim.restype = (ctypes.c_size_t,), ctypes.c_int
-    trim(0)
-    return True
+    return malloc_trim()
 
 
 def _apply_dofn(items, invoker_args, invoker_kwargs, receivers):

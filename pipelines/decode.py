@@ -338,6 +338,77 @@ def _jpeg_scan_ends_early(data: bytes) -> str | None:
     return None
 
 
+def _open(data: bytes, uri: str) -> Image.Image:
+    """``data`` opened lazily (header parsed, pixels not yet decoded); BadImage names what it is instead."""
+    try:
+        return Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise BadImage("decompression_bomb", f"{uri}: {exc}") from None
+    except UnidentifiedImageError:
+        kind = _sniff(data)
+        if kind == "image":
+            raise BadImage("corrupt", f"{uri}: image signature found but the header cannot be parsed") from None
+        if kind == "unsupported":
+            raise BadImage("unsupported_format", f"{uri}: image format not supported; convert to JPEG or PNG") from None
+        raise BadImage("not_an_image", f"{uri}: not an image ({describe_non_image(data)}, {len(data)} bytes)") from None
+    except Exception as exc:  # Pillow's plugins raise OSError, SyntaxError, struct.error...
+        raise _load_error(exc, uri) from None
+
+
+def _check_header(img: Image.Image, uri: str, max_megapixels: float, min_short_side: int) -> str:
+    """The image's format, once its header passes the format, size and short-side limits."""
+    fmt = img.format or "?"
+    if fmt not in ALLOWED_FORMATS:
+        raise BadImage("unsupported_format", f"{uri}: {fmt} images are not accepted; convert to JPEG or PNG")
+    width, height = img.size
+    megapixels = width * height / 1e6
+    if megapixels > max_megapixels:
+        raise BadImage(
+            "decompression_bomb",
+            f"{uri}: {width}x{height} is {megapixels:.1f} MP, above max_megapixels={max_megapixels:g}",
+        )
+    short_side = min(width, height)
+    if short_side < min_short_side:
+        raise BadImage("too_small", f"{uri}: shorter side {short_side} px is below min_short_side={min_short_side}")
+    return fmt
+
+
+def _draft_request(width: int, height: int, draft_short_side: int | None,
+                   draft_max_long_side: int | None) -> tuple[int, int] | None:
+    """The size to ask a JPEG's DCT scaling for, or None to decode it at full size."""
+    if not draft_short_side:
+        return None
+    scale = draft_short_side / min(width, height)
+    if draft_max_long_side:
+        scale = min(scale, draft_max_long_side / max(width, height))
+    if scale >= 1.0:
+        return None
+    # The largest DCT reduction whose output is still at least the
+    # requested size, so the final resize only ever shrinks.
+    return math.ceil(width * scale), math.ceil(height * scale)
+
+
+def _load_rgb(img: Image.Image, data: bytes, uri: str, fmt: str, request: tuple[int, int] | None) -> Image.Image:
+    """The pixels of ``img`` in mode RGB, by Pillow (at ``request``'s DCT scale), checked for data that ends early."""
+    width, height = img.size
+    if request:
+        img.draft("RGB", request)
+    try:
+        img.load()
+    except Image.DecompressionBombError as exc:
+        raise BadImage("decompression_bomb", f"{uri}: {exc}") from None
+    except Exception as exc:
+        raise _load_error(exc, uri) from None
+    short = _png_data_ends_early(data) if fmt == "PNG" else (
+        _jpeg_scan_ends_early(data) if fmt in _DRAFT_FORMATS else None)
+    if short:
+        raise BadImage("truncated", f"{uri}: {width}x{height} in the header, but the image data ends early ({short})")
+    try:
+        return _to_rgb(img)
+    except Exception as exc:
+        raise BadImage("corrupt", f"{uri}: cannot convert mode {img.mode} to RGB: {exc}") from None
+
+
 def decode_image(
     data: bytes,
     *,
@@ -374,69 +445,17 @@ def decode_image(
         # Pillow warns at 89 MP; our own max_megapixels check decides instead.
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)
         warnings.simplefilter("ignore", UserWarning)  # "Corrupt EXIF data" and friends
-        try:
-            img = Image.open(io.BytesIO(data))
-        except Image.DecompressionBombError as exc:
-            raise BadImage("decompression_bomb", f"{uri}: {exc}") from None
-        except UnidentifiedImageError:
-            kind = _sniff(data)
-            if kind == "image":
-                raise BadImage("corrupt", f"{uri}: image signature found but the header cannot be parsed") from None
-            if kind == "unsupported":
-                raise BadImage("unsupported_format", f"{uri}: image format not supported; convert to JPEG or PNG") from None
-            raise BadImage("not_an_image", f"{uri}: not an image ({describe_non_image(data)}, {len(data)} bytes)") from None
-        except Exception as exc:  # Pillow's plugins raise OSError, SyntaxError, struct.error...
-            raise _load_error(exc, uri) from None
-
-        fmt = img.format or "?"
-        if fmt not in ALLOWED_FORMATS:
-            raise BadImage("unsupported_format", f"{uri}: {fmt} images are not accepted; convert to JPEG or PNG")
-        width, height = img.size
-        megapixels = width * height / 1e6
-        if megapixels > max_megapixels:
-            raise BadImage(
-                "decompression_bomb",
-                f"{uri}: {width}x{height} is {megapixels:.1f} MP, above max_megapixels={max_megapixels:g}",
-            )
+        img = _open(data, uri)
+        fmt = _check_header(img, uri, max_megapixels, min_short_side)
         orientation = _orientation(img)
-        short_side = min(width, height)
-        if short_side < min_short_side:
-            raise BadImage("too_small", f"{uri}: shorter side {short_side} px is below min_short_side={min_short_side}")
-
-        request = None
-        if draft_short_side and fmt in _DRAFT_FORMATS:
-            scale = draft_short_side / short_side
-            if draft_max_long_side:
-                scale = min(scale, draft_max_long_side / max(width, height))
-            if scale < 1.0:
-                # The largest DCT reduction whose output is still at least the
-                # requested size, so the final resize only ever shrinks.
-                request = (math.ceil(width * scale), math.ceil(height * scale))
+        width, height = img.size
+        request = _draft_request(width, height, draft_short_side, draft_max_long_side) \
+            if fmt in _DRAFT_FORMATS else None
         fast = None
         if fmt in _DRAFT_FORMATS and img.mode == "RGB":
             denom = _draft_denominator(width, height, request) if request else 1
             fast = _decode_jpeg_turbo(data, width, height, denom)
-        if fast is not None:
-            img = fast
-        else:
-            if request:
-                img.draft("RGB", request)
-            try:
-                img.load()
-            except Image.DecompressionBombError as exc:
-                raise BadImage("decompression_bomb", f"{uri}: {exc}") from None
-            except Exception as exc:
-                raise _load_error(exc, uri) from None
-            short = _png_data_ends_early(data) if fmt == "PNG" else (
-                _jpeg_scan_ends_early(data) if fmt in _DRAFT_FORMATS else None)
-            if short:
-                raise BadImage("truncated", f"{uri}: {width}x{height} in the header, but the image data ends early ({short})")
-
-            try:
-                img = _to_rgb(img)
-            except Exception as exc:
-                raise BadImage("corrupt", f"{uri}: cannot convert mode {img.mode} to RGB: {exc}") from None
+        img = fast if fast is not None else _load_rgb(img, data, uri, fmt, request)
     if orientation != 1:
         img = img.transpose(_ORIENTATION[orientation])
     return img
-

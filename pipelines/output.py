@@ -1,8 +1,8 @@
 """A ``prepare`` run's hold on its output folder: one writer at a time, and a swap that keeps a set readable.
 
 - **One writer.** A run holds ``DIR/.prepare.lock`` (:class:`common.locks.FolderLock`) from start to
-  end. Two runs into one folder deleted each other's staging folders and mixed their shards under one
-  manifest; the second one now says who holds the folder and exits 2.
+  end, since two runs into one folder would delete each other's staging folders and mix their shards
+  under one manifest; a second run says who holds the folder and exits 2.
 - **The old set stays readable.** The new shards are written under the run's staging folder; the
   old manifest and shards stay until :meth:`OutputFolder.swap` replaces them at the end, with
   SIGINT and SIGTERM held back. A run killed harder during the swap leaves no manifest (a clear
@@ -21,15 +21,13 @@ import threading
 from typing import Iterator, Sequence
 
 from common.config import InputError
-from common.fs import atomic_write, is_local, read_json_object
-from common.fs import url_to_fs as _fs
+from common.fs import atomic_write, is_local, read_json_object, url_to_fs
 from common.locks import FolderLock, lock_name
 from pipelines import schema
 
 LOCK = lock_name("prepare")
 #: What a dedup run writes into a shard set; it holds for those shards only.
 DEDUP_FILES = (schema.REMOVED, schema.DEDUP_STATE, "dedup_index", "dedup_report")
-SET_FILES = (schema.QUARANTINE, schema.DUPLICATES)
 
 
 class OutputError(InputError):
@@ -40,7 +38,7 @@ def _norm_sources(sources: Sequence[str]) -> list[str]:
     out = []
     for src in sources:
         try:
-            fs, path = _fs(src)
+            fs, path = url_to_fs(src)
             out.append(fs.unstrip_protocol(path))
         except Exception:  # noqa: BLE001 - an unresolvable old source compares as written
             out.append(str(src))
@@ -75,7 +73,7 @@ class OutputFolder:
 
     def __init__(self, url: str, sources: Sequence[str], *, overwrite: bool = False):
         self.output = str(url)
-        self.fs, self.root = _fs(url)
+        self.fs, self.root = url_to_fs(url)
         self.sources, self.overwrite = list(sources), overwrite
         self._lock = FolderLock(self.output, "prepare")
 

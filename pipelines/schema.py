@@ -54,8 +54,7 @@ from PIL import Image
 
 # The source column's text contract: names that are not UTF-8 are written with \xNN escapes.
 from common.config import InputError
-from common.fs import TMP_MARKER, atomic_write, shard_verify_default  # noqa: F401  (TMP_MARKER: part of the layout)
-from common.fs import url_to_fs as _fs
+from common.fs import TMP_MARKER, atomic_write, is_local, shard_verify_default, url_to_fs  # noqa: F401  (TMP_MARKER: part of the layout)
 from common.text import utf8_text as text_uri
 
 log = logging.getLogger(__name__)
@@ -162,7 +161,7 @@ def read_removed(directory: str | os.PathLike, fs=None) -> frozenset[str]:
     A torn last line is skipped with a warning (:func:`_removed_lines`); a bad line
     anywhere else is an error.
     """
-    fs, root = _fs(directory, fs)
+    fs, root = url_to_fs(directory, fs)
     path = f"{root}/{REMOVED}"
     if not fs.exists(path):
         return frozenset()
@@ -190,7 +189,7 @@ def append_removed(directory: str | os.PathLike, rows: Sequence[Mapping[str, Any
     """Add ``rows`` to ``DIR/removed.jsonl`` atomically: the whole file is rewritten and renamed,
     so a reader sees the old list or the new one, never a torn line. A torn tail left by an
     older writer is dropped in the rewrite (no ``rows``: only that repair, if needed)."""
-    fs, root = _fs(directory, fs)
+    fs, root = url_to_fs(directory, fs)
     path = f"{root}/{REMOVED}"
     lines, torn = _removed_lines(path, fs) if fs.exists(path) else ([], None)
     if not rows and torn is None:
@@ -219,7 +218,7 @@ def missing_manifest_hint(directory: str | os.PathLike) -> str:
     A folder of source data cannot be its own ``--output`` (prepare refuses an output inside
     an input), so the suggestion for one is a sibling folder.
     """
-    fs, root = _fs(directory)
+    fs, root = url_to_fs(directory)
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)] if fs.isdir(root) else []
     except OSError:
@@ -266,8 +265,8 @@ class ShardSet:
         self.directory = str(directory)
         self._verify = shard_verify_default() if verify is None else verify
         self._verified: dict[int, tuple] = dict(verified or {})
-        self._fs, self._root = _fs(directory)
-        self._local = type(self._fs).__name__ == "LocalFileSystem"
+        self._fs, self._root = url_to_fs(directory)
+        self._local = is_local(self._fs)
         path = f"{self._root}/{MANIFEST}"
         if not self._fs.exists(path):
             raise ShardSetError(f"{self.directory}: no {MANIFEST}; {missing_manifest_hint(self.directory)}")
@@ -496,7 +495,7 @@ def shard_set_record(directory: str | os.PathLike, *, role: str | None = None) -
     it, the dedup runs that checked it, and a one-line de-duplication state such as
     ``"ingest vs digits_test: 3 removed; dedup signature_v3 vs digits_test: 2 removed"`` or ``"none"``.
     """
-    fs, root = _fs(directory)
+    fs, root = url_to_fs(directory)
     path = f"{root}/{MANIFEST}"
     with fs.open(path, "rb") as f:
         raw = f.read()

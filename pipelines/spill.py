@@ -4,13 +4,12 @@ A record is a few hundred bytes of metadata plus its encoded image (tens of KB).
 images through the shuffle made the DirectRunner hold a copy of every image in its own process
 (a 1.8 GB peak for 5000 photos of 640x480, so one machine could never ingest ImageNet), costs
 Dataflow shuffle bytes, and large values widen the race through which Beam 2.77's multi-worker
-DirectRunner drops elements (:mod:`pipelines.local_runner`). So :class:`SpillImages` appends
+DirectRunner drops elements (:mod:`pipelines.direct_runner`). So :class:`SpillImages` appends
 each image to one staging file per bundle and passes on ``blob = (file, offset, length)``; the
 shard writer reads the images back by range with :class:`Blobs`.
 
-The rest of a record waits there too (issue 24): the runner holds everything that crosses the
-shuffle at once (the DirectRunner keeps every grouped value decoded in its own process, 1.7 KB
-for a record dict), so :class:`SpillRecords` writes the image and then the record's other fields
+The rest of a record waits there too: the runner holds everything that crosses the shuffle at
+once (the DirectRunner keeps every grouped value decoded in its own process), so :class:`SpillRecords` writes the image and then the record's other fields
 as one JSON line, and passes on only a :class:`Ref` string: the key and content hash the shard
 writer sorts and de-duplicates by, and where the rest is. About 150 bytes cross the shuffle per
 input, whatever the record holds.
@@ -27,7 +26,7 @@ from typing import Any, Iterator, NamedTuple
 
 import apache_beam as beam
 
-from common.fs import url_to_fs as _fs
+from common.fs import is_local, url_to_fs
 
 DIR = "blobs"
 BLOB = "blob"  # the record field: (file name, offset, length)
@@ -42,23 +41,26 @@ class SpillImages(beam.DoFn):
         self._file = None
 
     def setup(self) -> None:
-        self._fs, root = _fs(self._staging)
+        self._fs, root = url_to_fs(self._staging)
         self._dir = f"{root}/{DIR}"
         self._fs.makedirs(self._dir, exist_ok=True)
 
     def start_bundle(self) -> None:
         self._file = None
 
-    def process(self, record: dict) -> Iterator[dict]:
+    def _append(self, data: bytes) -> tuple[str, int, int]:
+        """Append ``data`` to this bundle's spill file; returns where it is: (file name, offset, length)."""
         if self._file is None:
             self._name = f"{uuid.uuid4().hex}.bin"
             self._file = self._fs.open(f"{self._dir}/{self._name}", "wb")
             self._offset = 0
-        image = record["image"]
-        self._file.write(image)
+        self._file.write(data)
+        self._offset += len(data)
+        return self._name, self._offset - len(data), len(data)
+
+    def process(self, record: dict) -> Iterator[dict]:
         out = {k: v for k, v in record.items() if k != "image"}
-        out[BLOB] = (self._name, self._offset, len(image))
-        self._offset += len(image)
+        out[BLOB] = self._append(record["image"])
         yield out
 
     def finish_bundle(self) -> None:
@@ -112,21 +114,19 @@ class SpillRecords(SpillImages):
     """Record in -> its packed :class:`Ref` out; the image and the other fields go to a staging file."""
 
     def process(self, record: dict) -> Iterator[str]:
-        for out in super().process(record):
-            fields = _fields_json(record)
-            self._file.write(fields)
-            self._offset += len(fields)
-            yield Ref(record["key"], record["content_hash"], out[BLOB], len(fields)).pack()
+        blob = self._append(record["image"])
+        fields = self._append(_fields_json(record))
+        yield Ref(record["key"], record["content_hash"], blob, fields[2]).pack()
 
 
 class Blobs:
     """Reads spilled images back: ``read(blob) -> bytes``, keeping the last few files open."""
 
     def __init__(self, staging_url: str):
-        self._fs, root = _fs(staging_url)
+        self._fs, root = url_to_fs(staging_url)
         self._dir = f"{root}/{DIR}"
         # Range reads on object stores: no read-ahead, which would fetch megabytes per image.
-        self._open_kwargs: dict[str, Any] = {} if type(self._fs).__name__ == "LocalFileSystem" else {"cache_type": "none"}
+        self._open_kwargs: dict[str, Any] = {} if is_local(self._fs) else {"cache_type": "none"}
         self._files: collections.OrderedDict[str, Any] = collections.OrderedDict()
 
     def _file(self, name: str):

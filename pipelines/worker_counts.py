@@ -100,6 +100,7 @@ def close(directory: str | None) -> None:
 
 def known_inputs(units) -> int | None:
     """How many items ``units`` hold, when planning already listed them (files, manifests); else None."""
-    if all(u.kind in ("files", "error") for u in units):
-        return sum(len(u.uris) if u.kind == "files" else 1 for u in units)
-    return None
+    from pipelines.sources import known_items
+
+    counts = [known_items(u) for u in units]
+    return None if None in counts else sum(counts)

@@ -2,7 +2,7 @@
 
 Beam 2.77's DirectRunner, with ``direct_num_workers > 1``, now and then loses elements between
 the runner and its workers, without any error. The cause is a race in Beam's time-based flushing
-of its data streams (``pipelines/local_runner.py`` explains it); ``jobs/prepare.py`` turns that
+of its data streams (``pipelines/direct_runner.py`` explains it); ``jobs/prepare.py`` turns that
 flushing off, and its accounting check re-runs in one process should anything still go missing
 (docs/ingest.md, "Every input is accounted for"). This script measures whether the Beam installed
 here still has the race (Beam's defaults), and whether the prepare's setting avoids it
@@ -44,11 +44,11 @@ def _one_run(units: int, payload: int, mode: str, out: str, as_prepare: bool) ->
             f.write(str(sum(counts)))
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from pipelines import local_runner
+    from pipelines import direct_runner
 
-    local_runner.bind_servers_to_loopback()  # the runner's servers on loopback, as in the ingest
+    direct_runner.bind_servers_to_loopback()  # the runner's servers on loopback, as in the ingest
     if as_prepare:
-        local_runner.flush_by_size_only()
+        direct_runner.flush_by_size_only()
     workers = 1 if mode == "in_memory" else 2
     opts = PipelineOptions(["--runner=DirectRunner", f"--direct_num_workers={workers}",
                             f"--direct_running_mode={mode}"])
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--units", type=int, default=313, help=f"input units of {PER_UNIT} elements each")
     ap.add_argument("--payload-kb", type=int, default=40, help="bytes per element, like an encoded 384 px image")
     ap.add_argument("--as-prepare", action="store_true",
-                    help="with the data-stream setting jobs/prepare.py uses (pipelines/local_runner.py)")
+                    help="with the data-stream setting jobs/prepare.py uses (pipelines/direct_runner.py)")
     ap.add_argument("--_child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args._child:  # one pipeline per process, so no run inherits another's threads or servers

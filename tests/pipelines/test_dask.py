@@ -164,7 +164,7 @@ def test_a_finished_bundle_keeps_none_of_its_outputs():
     """A Dask worker keeps a task's arguments until its result is released, and Beam's receivers are one.
 
     Stock Beam leaves every output of a bundle in them, so a step before a shuffle held all it
-    emitted (decoded images) until the shuffle had every partition: issue 24's growth on Dask.
+    emitted (decoded images) until the shuffle had every partition: the workers' growth on Dask.
     (Where the tasks share one copy of the arguments, as in Dask's in-process scheduler here,
     stock Beam even emitted earlier bundles' outputs again: 60 elements instead of 24.)
     """
@@ -244,7 +244,7 @@ class _Partials(beam.CombineFn):
 
 
 def test_combines_are_lifted_one_accumulator_per_bundle_crosses_the_shuffle(cluster, tmp_path):
-    """Issue 24: stock Beam on Dask sends every element of a combine through a task shuffle, whose
+    """Stock Beam on Dask sends every element of a combine through a task shuffle, whose
     pieces the workers keep until all are split; the ingest counts every input four times that way."""
     out = tmp_path / "out"
     n = 1000

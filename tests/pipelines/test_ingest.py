@@ -395,9 +395,9 @@ def _lose_one_record(monkeypatch, tmp_path: Path, attempts_that_lose: int) -> Pa
 
     Beam serialises the step, so the runs are counted in a file (one line each), not in memory.
     """
-    from pipelines import ingest
+    from pipelines import shard_writer
 
-    real, log = ingest._write_shard, tmp_path / "shard-writer-runs.txt"
+    real, log = shard_writer.write_shard, tmp_path / "shard-writer-runs.txt"
 
     def lossy(group, *args):
         index, records = group
@@ -409,7 +409,7 @@ def _lose_one_record(monkeypatch, tmp_path: Path, attempts_that_lose: int) -> Pa
                 records = records[1:]
         yield from real((index, records), *args)
 
-    monkeypatch.setattr(ingest, "_write_shard", lossy)
+    monkeypatch.setattr(shard_writer, "write_shard", lossy)
     return log
 
 

@@ -1,4 +1,4 @@
-"""The ingest writes the same bytes as before its memory was bounded (issue 24).
+"""The ingest writes the same bytes as before its memory was bounded (spill files, plan chunks).
 
 The digests below were recorded from main at c5b7bf0, before the ingest changed, on this fixed
 corpus: 40 real-photo crops in two classes, one exact copy, one corrupt file and a test-set

@@ -215,3 +215,12 @@ def test_class_folders_that_are_symlinks_are_followed_once(tmp_path, wr, jpeg):
         (("dog",), ["dog", "a.jpg"]), (("dog",), ["sub", "b.jpg"]),
     ]
     assert all(it.read() == jpeg for it in items)
+
+
+def test_a_named_format_reads_the_source_as_that_format_and_an_unknown_one_is_refused(tmp_path, jpeg):
+    _tar(tmp_path / "a.tar", {"c/x.jpg": jpeg})
+    assert plan(str(tmp_path / "a.tar"), fmt="tar") == plan(str(tmp_path / "a.tar"))
+    (unit,) = plan(str(tmp_path / "a.tar"), fmt="files")  # named, the format decides, not the suffix
+    assert unit.kind == "files"
+    with pytest.raises(SourceError, match="format 'wds' is not known; use one of shard_set, folder, tar, manifest"):
+        plan(str(tmp_path / "a.tar"), fmt="wds")

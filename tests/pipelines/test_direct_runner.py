@@ -10,8 +10,8 @@ import time
 import pytest
 
 from pipelines.config import PrepareConfig
-from pipelines.ingest import pipeline_options
-from pipelines.local_runner import direct_runner, loopback_address
+from pipelines.direct_runner import direct_runner, loopback_address
+from pipelines.runners import pipeline_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -58,8 +58,8 @@ def test_workers_keep_quiet_but_project_warnings_get_through(tmp_path):
         sys.path.insert(0, {str(ROOT)!r})
         import apache_beam as beam
         from pipelines.config import PrepareConfig
-        from pipelines.ingest import pipeline_options
-        from pipelines.local_runner import direct_runner
+        from pipelines.runners import pipeline_options
+        from pipelines.direct_runner import direct_runner
 
         def probe(x):
             logging.getLogger("pipelines.probe").warning("project-warning-%d", x)
@@ -102,7 +102,7 @@ def _written_and_received(stream_cls, **kwargs) -> tuple[int, int]:
 def test_the_worker_reaper_gives_logging_and_the_thread_excepthook_back_when_closed():
     import logging
 
-    from pipelines.local_runner import WorkerReaper
+    from pipelines.direct_runner import WorkerReaper
 
     level, hook = logging.root.manager.disable, threading.excepthook
     reaper = WorkerReaper()
@@ -148,45 +148,6 @@ def test_multi_worker_options_turn_off_the_time_based_flush(tmp_path):
     # What the runner's data servicer and its embedded workers now build for each stream.
     stream = ClosableOutputStream.create(None, None, worker_handlers.DATA_BUFFER_TIME_LIMIT_MS)
     assert type(stream) is SizeBasedBufferingClosableOutputStream
-
-
-_RETAINED = textwrap.dedent("""
-    import contextlib, sys
-    from pipelines.local_runner import mmap_threshold_pinned
-
-    def anon_mb():
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-
-    if sys.argv[1] == "after":
-        with mmap_threshold_pinned():
-            pass
-    with mmap_threshold_pinned() if sys.argv[1] == "pinned" else contextlib.nullcontext():
-        big = bytearray(8 << 20)
-        del big  # glibc now takes blocks under 8 MB from the heap, unless the threshold is pinned
-        before = anon_mb()
-        blocks = [bytearray(4 << 20) for _ in range(32)]
-        del blocks[:-1]  # the last block stays, above the others on the heap
-        print(anon_mb() - before)
-""")
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                    reason="glibc's mallopt")
-def test_a_pinned_mmap_threshold_gives_freed_buffers_back_for_the_length_of_the_block(tmp_path):
-    """Why the multi-worker driver pins the threshold: its data-plane buffers stayed resident when freed."""
-    def retained_mb(mode: str) -> float:
-        # A clean environment: no MALLOC_* settings or preloaded allocator from the session.
-        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(pathlib.Path(__file__).resolve().parents[2])}
-        out = subprocess.run([sys.executable, "-c", _RETAINED, mode], capture_output=True, text=True, check=True,
-                             env=env)
-        return float(out.stdout)
-
-    assert retained_mb("default") > 100  # 31 freed 4 MB blocks kept on the heap
-    assert retained_mb("pinned") < 16  # each was its own mapping, gone when freed
-    # After the block the threshold is glibc's ceiling (32 MiB): heap blocks again, for speed.
-    assert retained_mb("after") > 100
 
 
 def test_the_ingest_runs_on_the_fn_api_runner_without_trying_prism(tmp_path, photos):

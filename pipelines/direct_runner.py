@@ -5,8 +5,7 @@
 drops what is written between its ``get()`` and ``_clear()``. :func:`flush_by_size_only`
 sets the limit to 0, so the streams flush only between elements, on size, and at the end
 of a bundle; batch pipelines lose nothing by it (the limit exists for streaming latency).
-The mechanism, the losses it caused and the check that measures it:
-benchmarks/README.md, "DirectRunner elements lost".
+The check that measures it after a Beam upgrade: ``benchmarks/README.md``.
 
 **Loopback.** With ``--workers N`` (N > 1) Beam's DirectRunner starts N workers and
 serves them control, data, state and logging over gRPC. Beam 2.77 binds those
@@ -27,10 +26,9 @@ terminal, while warnings from this project's modules still reach it.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 _WILDCARDS = ("[::]", "0.0.0.0", "")
 _lock = threading.Lock()
@@ -94,56 +92,6 @@ def direct_runner(options):
         beam_provision_api_pb2.ProvisionInfo(pipeline_options=encoded)))
 
 
-#: glibc's ``mallopt`` parameter for the mmap threshold (``M_MMAP_THRESHOLD`` in malloc.h).
-_M_MMAP_THRESHOLD = -3
-#: glibc's initial threshold: a block this large or larger is its own mapping, unmapped when freed.
-MMAP_THRESHOLD = 128 * 1024
-
-
-def pin_mmap_threshold(threshold: int = MMAP_THRESHOLD) -> bool:
-    """Fix glibc's mmap threshold in this process, so that freed large buffers go back to the system.
-
-    glibc raises the threshold to the size of each mapped block freed (up to 32 MB); blocks
-    below it then come from the heap, which keeps them when they are freed while anything
-    still lives above them. The multi-worker DirectRunner's driver passes every element
-    through buffers of that size (the data plane, the shuffle), and its resident set grew
-    with the corpus that way; with the threshold fixed, only by what the shuffle itself holds
-    (issue 24; benchmarks/README.md, "The two holders found, and the DirectRunner bounded"). The driver decodes nothing in
-    that mode, so the extra mappings do not slow the ingest.
-
-    Returns whether it was set: False where the C library has no ``mallopt`` (macOS).
-    """
-    import ctypes
-
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return mallopt(_M_MMAP_THRESHOLD, threshold) == 1
-
-
-#: Where glibc's dynamic threshold stops rising on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``).
-THRESHOLD_CEILING = 32 * 1024 * 1024
-
-
-@contextlib.contextmanager
-def mmap_threshold_pinned(threshold: int = MMAP_THRESHOLD) -> Iterator[bool]:
-    """:func:`pin_mmap_threshold` for the length of the block; yields whether it was set.
-
-    The setting is process-wide, and a fixed small threshold slows numerical work that maps
-    and unmaps its large arrays each time (a CPU training step in the same process, as in
-    the demo or a test session). So at the end the threshold goes to :data:`THRESHOLD_CEILING`,
-    the value glibc's own threshold climbs to in a process that frees large blocks.
-    """
-    pinned = pin_mmap_threshold(threshold)
-    try:
-        yield pinned
-    finally:
-        if pinned:
-            pin_mmap_threshold(THRESHOLD_CEILING)
-
-
 def flush_by_size_only() -> None:
     """Turn off the DirectRunner's time-based data flushing, which drops elements (idempotent)."""
     from apache_beam.runners.portability.fn_api_runner import worker_handlers
@@ -186,8 +134,7 @@ def workers_in_own_session() -> None:
     """Start the DirectRunner's SDK workers outside the terminal's process group (idempotent).
 
     A terminal's Ctrl-C reaches the whole group: each worker printed its own
-    KeyboardInterrupt and gRPC tracebacks (120-178 lines in all) over the driver's
-    one line. Outside the group only the driver gets the signal, and
+    KeyboardInterrupt and gRPC tracebacks over the driver's one line. Outside the group only the driver gets the signal, and
     :class:`WorkerReaper` ends the workers; a driver killed outright still
     takes them with it, as their control stream closes.
     """
@@ -205,7 +152,7 @@ class WorkerReaper:
     exits only when its control stream closes, which that teardown has not reached:
     a SIGINT or SIGTERM sent to the driver alone left ``prepare`` waiting forever. So the
     workers are killed, and killed again until :meth:`close`: one still being started
-    when the signal came (a CI run caught that) would otherwise be waited on for good.
+    when the signal came would otherwise be waited on for good.
     The teardown's threads then log the broken streams; the run is ending with its one line
     (``common.cli.run_job``), so their logs and thread tracebacks are dropped until :meth:`close`,
     which gives the process its logging and thread excepthook back.

@@ -1,0 +1,119 @@
+"""Tar archives (``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``), streamed member by member.
+
+A member's class is the name of the folder it sits in inside the archive, else the archive's
+folder-tree class, else the archive's stem: ImageNet-21k ships one ``n01440764.tar`` per class.
+"""
+from __future__ import annotations
+
+import posixpath
+import tarfile
+from typing import Iterator
+
+import fsspec
+
+from common.fs import irregular_file, within_roots
+from pipelines.decode import BadImage
+from pipelines.schema import text_uri
+from pipelines.sources.base import (
+    Reader,
+    SourceItem,
+    Unit,
+    has_suffix,
+    is_hidden,
+    outside_detail,
+    text_labels,
+    too_large_detail,
+)
+
+SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
+
+
+def is_tar(path: str) -> bool:
+    return has_suffix(path, SUFFIXES)
+
+
+def _stem(path: str) -> str:
+    name = posixpath.basename(path)
+    for suffix in SUFFIXES:
+        if name.lower().endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def unit(url: str, path: str, labels: tuple[str, ...] = ()) -> Unit:
+    """The unit of one archive; its members' default class is ``labels``, else the archive's stem."""
+    return Unit("tar", (url,), (labels or (_stem(path),),))
+
+
+def _plan(source: str, fs, path: str, files_per_unit: int) -> list[Unit]:
+    return [unit(fs.unstrip_protocol(path), path)]
+
+
+class _HandOver:
+    """A reader of bytes already read (an archive member's) that lets go of them when they are read."""
+
+    def __init__(self, data: bytes, uri: str):
+        self.data, self.uri = data, uri
+
+    def __call__(self) -> bytes:
+        data, self.data = self.data, None
+        if data is None:
+            raise BadImage("unreadable", text_uri(f"{self.uri}: read a second time; its bytes were handed over"))
+        return data
+
+
+def _refused(url: str, default_labels: tuple[str, ...], allowed_roots: tuple[str, ...] | None) -> SourceItem | None:
+    """The one item of an archive that is not opened: outside the allowed roots, or not a regular file."""
+    if allowed_roots is not None and not within_roots(url, allowed_roots):
+        return SourceItem(text_uri(url), text_labels(default_labels),
+                          error=("outside_allowed_roots", outside_detail(url, allowed_roots)))
+    why = irregular_file(url)
+    if why:
+        return SourceItem(text_uri(url), text_labels(default_labels), error=(
+            "not_a_regular_file", text_uri(f"{url}: {why}; only regular files are read")))
+    return None
+
+
+def _members(archive, url: str, default_labels: tuple[str, ...], max_bytes: int | None,
+             seen: list[int]) -> Iterator[SourceItem]:
+    """The archive's items; ``seen[0]`` counts the members reached, a failing one included."""
+    for member in archive:
+        if not member.isfile():
+            continue
+        name = member.name[2:] if member.name.startswith("./") else member.name
+        if is_hidden(name):
+            continue
+        folder = posixpath.dirname(name)
+        labels = (posixpath.basename(folder),) if folder else default_labels
+        uri = f"tar://{name}::{url}"
+        seen[0] += 1
+        if max_bytes is not None and member.size > max_bytes:
+            # The stream skips the member's data when it moves on; nothing is read.
+            yield SourceItem(text_uri(uri), text_labels(labels),
+                             error=("too_large", too_large_detail(uri, member.size, max_bytes)))
+            continue
+        f = archive.extractfile(member)
+        # Handed over once: whoever decodes the member holds its bytes, and nothing of the
+        # stream or the runner keeps them while the next member is read.
+        yield SourceItem(text_uri(uri), text_labels(labels), reader=_HandOver(f.read() if f is not None else b"", uri))
+
+
+def _expand(unit: Unit, max_bytes: int | None = None,
+            allowed_roots: tuple[str, ...] | None = None) -> Iterator[SourceItem]:
+    url, default_labels = unit.uris[0], unit.labels[0]
+    seen = [0]
+    try:
+        refused = _refused(url, default_labels, allowed_roots)
+        if refused is not None:
+            yield refused
+            return
+        with fsspec.open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as archive:
+            yield from _members(archive, url, default_labels, max_bytes, seen)
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        where = f"after {seen[0]} member(s)" if seen[0] else "before the first member"
+        yield SourceItem(text_uri(url), text_labels(default_labels), error=("corrupt_archive", text_uri(
+            f"{url}: archive unreadable {where} ({type(exc).__name__}: {exc}); the rest of it is skipped"
+        )))
+
+
+READER = Reader("tar", detect=lambda fs, path: is_tar(path), plan=_plan, expand=_expand)
