@@ -104,8 +104,8 @@ def test_a_missing_file_or_heading_is_reported(tmp_path):
     assert ":9: ./also-missing.md (no such file" in problems[2]
 
 
-# What a first-time user ran into before the manual said it (issue 25, point 15): each fact, the
-# file that says it, and words it is said in.
+# What a first-time user ran into before the manual said it: each fact, the file that says it, and
+# words it is said in.
 FACTS = {
     "the manifest's columns": ("docs/ingest.md", ["The image column is `uri`", "`label`", "`labels`"]),
     "how each stage resumes": ("docs/README.md", ["Each stage is resumed by running the same command again",
