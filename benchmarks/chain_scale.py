@@ -1,6 +1,6 @@
 """The chain after the ingest against corpus size: dedup, one epoch of pre-training, ShardSet reads.
 
-Issue 24 asks whether any step downstream of ``prepare`` holds memory that grows with the
+The question is whether any step downstream of ``prepare`` holds memory that grows with the
 corpus. Per corpus size this ingests N photo crops (the corpora of ``ingest_scale.py``, the
 same ``prepare --size 256`` on the DirectRunner), then runs on that shard set, each as a
 subprocess whose whole process tree is sampled every 0.5 s:

@@ -1,4 +1,4 @@
-"""Where ``prepare --runner dask`` holds its memory: each process of the cluster apart (issue 24).
+"""Where ``prepare --runner dask`` holds its memory: each process of the cluster apart.
 
 ``ingest_scale.py`` starts a ``LocalCluster`` inside the driver, so its scheduler and nannies
 count as the driver and both workers as one "dask" figure. This probe starts the cluster as

@@ -1,4 +1,4 @@
-"""A Dask worker's peak memory when a step's outputs wait for a combine (issue 24).
+"""A Dask worker's peak memory when a step's outputs wait for a combine.
 
 64 partitions, each emitting ``PER`` values of 100 KB into ``Map(len)`` and a
 ``CombineGlobally(sum)``, on a local cluster of one worker process with this project's

@@ -6,13 +6,13 @@ per-record lookup the Beam pipeline runs (``pipelines.graph.match_test_sets``) a
 index of ``--index`` test images (random codes under every crop variant, as
 ``benchmarks/dedup.py`` builds it, plus the photos' own test crops so some records match).
 Also timed, in the same run: the signatures alone (``signatures.compute``, the whole-image
-code the ingest stored before issue 15, against ``signatures.corpus_codes``, which adds the
+code the ingest stored before the reverse direction, against ``signatures.corpus_codes``, which adds the
 inner crops), the one read of the image they share (``signatures.proxy``, the part that grows
 with the image), ``corpus_codes`` of the image the ingest stores (resized to 384 px: an option,
 not what the ingest does), and the item path with ``compute`` in place of ``corpus_codes`` and
 with no signatures at all (its difference to the real item path is what the signatures cost
 there, where the decoded image is fresh in the caches).
-CPU time of this process, loops interleaved, best of ``--repeats``. Targets (issue 23): the ingest with a
+CPU time of this process, loops interleaved, best of ``--repeats``. Targets: the ingest with a
 test set runs at >= 0.95 of its rate without one, and the signatures plus the lookup cost
 <= 5% of the item time without a test set (``dedup_share_of_item``). The last line is one
 JSON object.

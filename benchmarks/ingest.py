@@ -5,7 +5,7 @@ Both baselines run in the same process on the same in-memory JPEG bytes:
 * naive: ``Image.open(f).convert('RGB').resize(target, BICUBIC)``, the loop most
   scripts write (full-resolution decode, no encode);
 * decode-only at reduced scale: ``open -> draft(target) -> load -> RGB``, the
-  practical ceiling of any Pillow-based path (issue 3 asks for 0.8 of it). The
+  practical ceiling of any Pillow-based path (the target is 0.8 of it). The
   project decodes colour JPEGs with libjpeg-turbo through ``simplejpeg`` into
   Pillow's memory, faster than Pillow's own draft decode (benchmarks/README.md),
   so its ratio to this ceiling can exceed what resizing and encoding would otherwise allow.

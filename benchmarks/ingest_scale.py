@@ -1,6 +1,6 @@
 """Ingest memory and throughput against corpus size: ``jobs/prepare.py`` on 20k, 80k and 160k photo crops.
 
-The question (issue 24) is how far one machine carries the embedded default: does the peak
+The question is how far one machine carries the embedded default: does the peak
 memory of the job grow with the number of inputs, and does the rate hold? Each corpus is N
 distinct crops of the bundled photographs (:mod:`common.photos`, enlarged so that a box of
 320-640 px on a side fits, JPEG quality 90), one folder per source photograph; the smaller
@@ -17,7 +17,7 @@ resident set and of each of its parts, and the peak it extrapolates to for 1.28M
 (ImageNet-1k).
 
 ``--baseline-repo DIR`` runs the same sizes with another checkout's ``jobs/prepare.py`` and
-code (for example main before a change), in the same session and under the same load.
+code (for example main before a change), in the same run and under the same load.
 
     python benchmarks/ingest_scale.py [--sizes 20000,80000,160000] [--runner direct|dask] [--workers 2]
                                       [--baseline-repo /path/to/checkout] [--keep DIR]
@@ -47,8 +47,8 @@ import psutil  # noqa: E402
 from PIL import Image  # noqa: E402
 
 IMAGENET = 1_281_167
-# The issue's measurement, before the change: jobs/prepare.py --size 256 --workers 2, DirectRunner.
-ISSUE_BEFORE = {"sizes": {"5000": {"wall_s": 36, "peak_rss_mb": 1490}, "20000": {"peak_rss_mb": 1750},
+# Measured before the ingest's memory was bounded: jobs/prepare.py --size 256 --workers 2, DirectRunner.
+UNBOUNDED_BEFORE = {"sizes": {"5000": {"wall_s": 36, "peak_rss_mb": 1490}, "20000": {"peak_rss_mb": 1750},
                           "40000": {"wall_s": 158, "peak_rss_mb": 2000}},
                 "slope_kb_per_input": 15.0, "extrapolated_imagenet_gb": 20.0}
 
@@ -352,7 +352,7 @@ def main() -> None:
             result["same_shards_as_baseline"] = all(ours[n]["shard_sha256"] == before[n]["shard_sha256"]
                                                    for n in sizes)
         else:
-            result["baseline"] = {"source": "issue 24, measured before the change", **ISSUE_BEFORE}
+            result["baseline"] = {"source": "measured before the ingest's memory was bounded", **UNBOUNDED_BEFORE}
     result["load_average"] = [round(x, 2) for x in os.getloadavg()]
     result["machine"] = machine.describe()
     if len(sizes) > 1:

@@ -1,4 +1,4 @@
-"""What a pinned glibc mmap threshold costs CPU training in the same process (issue 24).
+"""What a pinned glibc mmap threshold costs CPU training in the same process.
 
 The multi-worker DirectRunner's driver pins the threshold at 128 KiB for the length of the
 pipeline (:func:`pipelines.glibc.mmap_threshold_pinned`) and sets glibc's 32 MiB ceiling

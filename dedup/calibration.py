@@ -10,7 +10,8 @@ The pool (:func:`photo_pool`) is the bundled photographs (:mod:`common.photos`) 
 non-overlapping tiles, which are hard negatives; ``--holdout`` splits it by source photograph
 so the threshold is chosen on one part and measured on the other. ``DEFAULT_THRESHOLD`` in
 :mod:`neardup.index` is this tool's choice. The recorded results, per transform, and the command
-that reproduces them: benchmarks/README.md, "Near-duplicate threshold and match rule".
+that reproduces them: benchmarks/README.md, "Near-duplicate recall and false matches"; why the
+rule is what it is: docs/dedup.md, "How the rule was chosen".
 
 Reverse transforms (``transforms.REVERSE_TRANSFORMS``: the transformed image is the test
 image, cut from the original) index the transformed images and search the originals' corpus

@@ -29,7 +29,8 @@ every pair the rule accepts and no other, and ``TestSetIndex.brute_force``
 evaluates the same rule over all pairs to check it. Condition (a) is part of
 the definition because it makes the search sub-linear, at a small cost in recall.
 The threshold is calibrated on held-out photos (:mod:`dedup.calibration`); its
-figures and the command that reproduces them are in benchmarks/README.md.
+figures and the command that reproduces them are in benchmarks/README.md, why it
+sits there in docs/dedup.md, "How the rule was chosen".
 
 Low-texture images (flat colour, soft gradients) match by content hash only.
 """

@@ -32,7 +32,7 @@ it is what makes the search sub-linear: every bucket within the radius of each
 block is probed (one array read each; buckets are CSR arrays indexed by the
 block value) and candidates are verified on (b). No sub-linear exact search
 exists for (b) alone at so loose a radius, so the rule carries (a); what that
-costs in recall is measured in benchmarks/README.md.
+costs in recall is in docs/dedup.md, "How the rule was chosen".
 
 The index is picklable (a Beam side input); the bucket tables are rebuilt
 lazily after unpickling. ``save``/``load`` write one Arrow IPC file per test
@@ -72,7 +72,7 @@ DEFAULT_THRESHOLD = 28
 # The inner-crop codes (the reverse direction) are matched this many bits
 # tighter: each corpus image brings six of them, and every false pair of the
 # calibration pool under signature version 5 at 22..24 bits came from one;
-# 21 is the loosest with none on the design split (benchmarks/README.md).
+# 21 is the loosest with none on the design split (docs/dedup.md, "How the rule was chosen").
 INNER_THRESHOLD_OFFSET = 7
 
 
@@ -519,7 +519,8 @@ class TestSetIndex:
 
 
 # The ingest looks records up one at a time, where every numpy call costs about as much as the
-# memory reads of the search (issue 23): what depends only on sizes is made once and reused.
+# memory reads of the search, and the lookup must stay within 5% of the ingest's item time
+# with the signatures: what depends only on sizes is made once and reused.
 @functools.lru_cache(maxsize=16)
 def _code_offsets(k: int) -> np.ndarray:
     """What each of an item's ``k`` corpus codes adds to its distance: 0 for the whole image, the inner offset after."""

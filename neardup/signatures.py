@@ -20,7 +20,8 @@ For the reverse direction, a test image cut from a corpus photo, the corpus
 side also stores the codes of inner crops (:func:`corpus_codes`, ``INNER_CROPS``).
 
 The threshold is ``neardup.index.DEFAULT_THRESHOLD``, chosen by :mod:`dedup.calibration`;
-the measured recall and false-match rate are in benchmarks/README.md.
+the measured recall and false-match rate are in benchmarks/README.md, and why the
+rule is built this way in docs/dedup.md, "How the rule was chosen".
 """
 from __future__ import annotations
 
@@ -56,9 +57,9 @@ _DCT_OF_CORNERS = _DCT @ (np.eye(DCT_SIZE, DCT_SIZE + 1, 1) - np.eye(DCT_SIZE, D
 # Every code of an image is cut from one luminance proxy (:func:`proxy`): the
 # image reduced by an integer factor to a long side of PROXY_SIDE..2*PROXY_SIDE-1
 # pixels, once. A code then costs tens of microseconds whatever the image size
-# (issue 23: resampling the full image per code cost 0.4 ms a code). 96 rather than
+# (resampling the full image per code cost 0.4 ms a code). 96 rather than
 # 128 (version 5) saves about 0.07 ms an image at held-out recall 0.996 against 0.997; 64
-# lost recall and added false pairs (benchmarks/README.md, "Signature version 6").
+# lost recall and added false pairs (docs/dedup.md, "How the rule was chosen").
 PROXY_SIDE = 96
 
 # Border trimming works on the proxy; a row or column is border when it is
@@ -103,8 +104,7 @@ CROP_VARIANTS: tuple[tuple[float, float, float, float], ...] = _CROP_CORNERS + _
 # line, a dark sky band) is trimmed when T is coded, and the centre of C then
 # has it at its edge. These codes are matched at a tighter threshold than the
 # whole-image code (neardup.index.INNER_THRESHOLD_OFFSET). Held-out calibration
-# of versions 4 and 5: benchmarks/README.md, "Reverse direction" and
-# "One-side cuts on every side".
+# of versions 4 and 5: docs/dedup.md, "How the rule was chosen".
 # Low-texture images (flat colour, soft gradients) are exact-or-nothing: below
 # this texture_margin neither side carries codes, so they match by content hash
 # only. The threshold sits in the gap the calibration measured between real
@@ -158,7 +158,7 @@ class Proxy(NamedTuple):
 
 # From this reduction factor up, a proxy row is one image row (the middle of its band) averaged
 # along the row, not a square mean: reading every row of a decoded image is the cost of the
-# signatures (issue 23: two full Pillow passes took 0.35 ms of 0.68 ms an image), and a code
+# signatures (two full Pillow passes took 0.35 ms of 0.68 ms an image), and a code
 # cell still averages several rows. Below it the image is small and read whole.
 ROW_SAMPLED_SCALE = 4
 
@@ -330,7 +330,7 @@ def _coeffs(p: Proxy, boxes) -> np.ndarray:
     fractional edges: the summed-area table is bilinear between its knots), then
     transformed. Cell sums stand in for cell means: a positive scale moves no bit. The
     cells are differences of the table at their corners, folded into the transform
-    (``_DCT_OF_CORNERS``): the ingest pays for every numpy pass here (issue 23).
+    (``_DCT_OF_CORNERS``): the ingest pays for every numpy pass here, within a 5% share of its item time.
     """
     boxes = np.asarray(boxes, dtype=np.float64).reshape(-1, 4)
     size, last = _table_layout(*p.sat.shape)

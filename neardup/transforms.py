@@ -1,4 +1,4 @@
-"""The transforms a near-duplicate detector must survive (issues 5 and 15), as named, seeded functions.
+"""The transforms a near-duplicate detector must survive, both directions, as named, seeded functions.
 
 Each transform maps an 8-bit RGB image to a new 8-bit RGB image the way a
 copy of a test image typically reaches a web-scale corpus: rescaled, re-encoded,
@@ -130,8 +130,8 @@ REVERSE: dict[str, Transform] = {
     "reverse_crop_2_all_q75": _reverse(0.02, 0.02, 0.02, 0.02, 75),
     "reverse_crop_5_all_q50": _reverse(0.05, 0.05, 0.05, 0.05, 50),
     "reverse_crop_10_all_q30": _reverse(0.1, 0.1, 0.1, 0.1, 30),
-    # 10% from one side and 2% from the others, once per side (issue 23: a code aimed
-    # at the left side alone would pass a left-only calibration)
+    # 10% from one side and 2% from the others, once per side (a code aimed at the
+    # left side alone would pass a left-only calibration)
     "reverse_crop_10_left_q90": _reverse(0.1, 0.02, 0.02, 0.02, 90),
     "reverse_crop_10_right_q90": _reverse(0.02, 0.02, 0.1, 0.02, 90),
     "reverse_crop_10_top_q90": _reverse(0.02, 0.1, 0.02, 0.02, 90),

@@ -2,9 +2,12 @@
 
 A link names a file or folder that exists, and its anchor (``#...``), if any, names a heading of
 that file by GitHub's slug rules. Web (``http(s)://``) and ``mailto:`` links are not checked.
+The manual says what a user needs, and no text in the tree cites a tracker number or a dated
+work session in place of the fact it stood for.
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -104,8 +107,8 @@ def test_a_missing_file_or_heading_is_reported(tmp_path):
     assert ":9: ./also-missing.md (no such file" in problems[2]
 
 
-# What a first-time user ran into before the manual said it (issue 25, point 15): each fact, the
-# file that says it, and words it is said in.
+# What a first-time user ran into before the manual said it: each fact, the file that says it, and
+# words it is said in.
 FACTS = {
     "the manifest's columns": ("docs/ingest.md", ["The image column is `uri`", "`label`", "`labels`"]),
     "how each stage resumes": ("docs/README.md", ["Each stage is resumed by running the same command again",
@@ -128,3 +131,49 @@ def test_the_manual_says_what_a_user_needs_before_they_hit_it():
         text = " ".join((REPO / name).read_text().split())  # lines rewrapped: compare word by word
         missing += [f"{name}: {fact}: {p!r}" for p in phrases if " ".join(p.split()) not in text]
     assert not missing, "\n".join(missing)
+
+
+# An issue number of the tracker, or a work session by number or as the last, this or the next
+# one: a reader cannot look these up. Ray's session folders (session_latest, session_2026-...) and
+# a Ray, pytest or process session are not matched.
+EPISODE = re.compile(r"\bissues?[ -]#?\d+|\bsessions? \d+|\b(?:last|this|next|previous|earlier) session\b",
+                     re.IGNORECASE)
+TEXT_SUFFIXES = {".py", ".md", ".sh", ".yaml", ".yml", ".toml", ".txt", ".cfg", ".example"}
+TEXT_NAMES = {"Makefile", "Dockerfile", "run"}
+NOT_SOURCE = {"__pycache__", "mlruns", "node_modules"}
+
+
+def source_files(root: Path):
+    """The tree's text files, without hidden folders (but ``.ci``), caches and the stages' outputs."""
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = sorted(d for d in dirs if not ((d.startswith(".") and d != ".ci") or d in NOT_SOURCE
+                                                 or d.endswith(("_output", ".egg-info"))))
+        for name in sorted(files):
+            path = Path(folder) / name
+            if path.suffix in TEXT_SUFFIXES or name in TEXT_NAMES:
+                yield path
+
+
+def episodes(root: Path) -> list[str]:
+    """'file:line: words' for every tracker number or dated session under ``root``."""
+    found = []
+    for path in source_files(root):
+        for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            found += [f"{path.relative_to(root)}:{number}: {m.group(0)}" for m in EPISODE.finditer(line)]
+    return found
+
+
+def test_the_tree_states_facts_not_tracker_numbers_or_dated_sessions():
+    found = episodes(REPO)
+    assert not found, "say the fact the reference stood for instead:\n" + "\n".join(found)
+
+
+def test_a_tracker_number_or_dated_session_is_reported_and_a_ray_session_is_not(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(f"# fixed in issue {24}\nx = 1  # see Issues {5} and {15}\n")
+    (tmp_path / "notes.md").write_text(f"Measured in session {12}, code abc.\nAs the {'Last'} Session found.\n"
+                                       "Logs in /tmp/ray/session_latest, deleted with the Ray session.\n")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "lib.py").write_text(f"# issue {1}\n")
+    assert episodes(tmp_path) == [f"notes.md:1: session {12}", f"notes.md:2: {'Last'} Session",
+                                  f"pkg/mod.py:1: issue {24}", f"pkg/mod.py:2: Issues {5}"]

@@ -1,4 +1,4 @@
-"""The MLflow UI seen the way a user sees it: the demo's stages (the session's ``small_demo``) and a
+"""The MLflow UI seen the way a user sees it: the demo's stages (the test session's ``small_demo``) and a
 dedup with matches write a store, `server.sh local` serves it on 127.0.0.1, and headless Chromium
 renders the pages the user opens.
 

@@ -1,4 +1,4 @@
-"""Both directions of the match rule: test images cut from corpus photos (issue 15), and the files named."""
+"""Both directions of the match rule: test images cut from corpus photos, and the files named."""
 import json
 from pathlib import Path
 
@@ -40,7 +40,7 @@ def test_corpus_photos_whose_crop_became_a_test_image_are_found(photos, transfor
         if matches:
             assert matches[0].uri == f"/test/{name}"
             found.append(name)
-    # every side of the one-side cuts included (issue 23): no miss allowed
+    # every side of the one-side cuts included: no miss allowed
     assert set(found) == set(PHOTOS), (transform, found)
 
 
@@ -62,7 +62,7 @@ def test_a_test_image_cut_mostly_from_one_side_is_found_whichever_side(photos, s
 
 
 def test_three_percent_crops_the_issue_planted_are_found_in_reverse(photos):
-    # issue 15: 3%-per-side crops, resized to 256 px, JPEG q75, were missed at distances 28..42
+    # 3%-per-side crops, resized to 256 px, JPEG q75: the forward-only rule missed them at distances 28..42
     from neardup.transforms import _reverse
 
     index = TestSetIndex()
