@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -34,7 +35,7 @@ import pyarrow as pa
 from PIL import Image
 from scipy.fft import dct
 
-SIGNATURE_VERSION = 6
+SIGNATURE_VERSION = 7
 DCT_SIZE = 32
 CODE_BITS = 128
 SIGNATURE_BYTES = CODE_BITS // 8
@@ -50,9 +51,18 @@ _FREQS = int(max(_ROWS.max(), _COLS.max())) + 1
 # The orthonormal DCT-II rows up to the highest frequency a code keeps.
 _DCT = dct(np.eye(DCT_SIZE), norm="ortho", axis=0)[:_FREQS]
 _GRID = np.linspace(0.0, 1.0, DCT_SIZE + 1)
+# The transform runs on whole numbers, so that it gives the same coefficients on every CPU:
+# OpenBLAS picks its matmul kernel per CPU (AVX-512, AVX2, SSE), and each kernel rounds a float
+# sum in its own order, which moved the bits of near-ties and every texture margin. Products and
+# sums of whole numbers below 2**53 are exact in float64, in any order. _DCT_SCALE sets the
+# rows' precision (2**-20, far below any bit's distance from the median).
+_DCT_SCALE = 2.0 ** 20
 # The same rows applied to the DCT_SIZE + 1 cell corners of a summed-area table: a cell
-# is the difference of its corners, so _DCT @ cells == _DCT_OF_CORNERS @ corners.
-_DCT_OF_CORNERS = _DCT @ (np.eye(DCT_SIZE, DCT_SIZE + 1, 1) - np.eye(DCT_SIZE, DCT_SIZE + 1))
+# is the difference of its corners, so _DCT @ cells == _DCT_OF_CORNERS @ corners (the
+# differences of whole numbers, so each row still sums to exactly 0).
+_DCT_OF_CORNERS = -np.diff(np.rint(_DCT * _DCT_SCALE), prepend=0, append=0, axis=1)
+# An operand below 2**_OPERAND_BITS keeps every partial sum of a row's products below 2**53.
+_OPERAND_BITS = 53 - math.frexp(float(np.abs(_DCT_OF_CORNERS).sum(axis=1).max()))[1]
 
 # Every code of an image is cut from one luminance proxy (:func:`proxy`): the
 # image reduced by an integer factor to a long side of PROXY_SIDE..2*PROXY_SIDE-1
@@ -356,7 +366,27 @@ def _coeffs(p: Proxy, boxes) -> np.ndarray:
     corners -= top
     corners *= fy
     corners += top  # the table at the cell corners, (k, 33, 33)
-    return (_DCT_OF_CORNERS @ corners @ _DCT_OF_CORNERS.T)[:, _ROWS, _COLS]
+    # As whole numbers below 2**_OPERAND_BITS: the table's last value is its largest, and one bit
+    # is left for the interpolation's rounding. The scale is the proxy's, not the box's, so a
+    # box's code does not depend on the other boxes computed with it.
+    scale = math.ldexp(1.0, _OPERAND_BITS - 1 - math.frexp(p.sat[-1, -1])[1])
+    corners *= scale  # a power of two: exact
+    rows, row_scale = _whole_numbers(_DCT_OF_CORNERS @ np.rint(corners, out=corners))
+    coeffs = (rows @ _DCT_OF_CORNERS.T)[:, _ROWS, _COLS]
+    coeffs /= row_scale[:, :, 0] * (scale * _DCT_SCALE ** 2)  # powers of two: exact
+    return coeffs
+
+
+def _whole_numbers(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(k, m, n) ``values`` as whole numbers of magnitude at most 2**_OPERAND_BITS, and the scales, (k, 1, 1).
+
+    Each box is scaled by a power of two of its own (exact, and cheaper than ``np.ldexp``), then
+    rounded to whole numbers.
+    """
+    _, exponent = np.frexp(np.abs(values).max(axis=(1, 2), keepdims=True))
+    scale = np.ldexp(1.0, _OPERAND_BITS - exponent)
+    whole = values * scale
+    return np.rint(whole, out=whole), scale
 
 
 @functools.lru_cache(maxsize=64)

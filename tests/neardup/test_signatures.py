@@ -29,7 +29,7 @@ def test_signature_bits_are_pinned():
     from common.photos import photo
 
     img = photo("astronaut.png")
-    assert sig.SIGNATURE_VERSION == 6
+    assert sig.SIGNATURE_VERSION == 7
     assert sig.compute(img).hex() == "c1281badf2b86df861ba2729a4ea76a2"
     assert sig.content_hash(img) == "62eda70fa36c2fe372d20ba7db5fb7f3cb54f960df12e2332153325531b7c1bf"
 
