@@ -31,12 +31,16 @@ def trial_resources(cpus_per_trial: int, gpus_per_trial: float) -> dict:
 
 def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resources: dict, metric: str,
                max_concurrent: int = 0, max_failures: int = 0, label: tuple[str, ...] = ("lr",),
-               prog: str = "finetune"):
+               prog: str = "finetune", reuse_actors: bool = True):
     """Run a Tune sweep under ``output/ray/name``, or resume it if an interrupted one is there.
 
     A resumed sweep keeps its finished trials and runs the unfinished and errored ones again
     (``resume_errored``: they start from scratch, as a retry does). The console gets a line per
     trial event, trials named by the config keys in ``label`` (:class:`common.progress.TrialLines`).
+
+    ``reuse_actors``: a trial runs in the process of a finished one where one is free. A small
+    trial spends most of its time starting a Ray worker and importing torch and MLflow; each trial
+    seeds itself (:func:`training.sgd.start_trial`), so its results do not depend on the process.
     """
     from ray import tune
 
@@ -54,7 +58,8 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
         tuner = tune.Tuner(
             trainable,
             param_space=param_space,
-            tune_config=tune.TuneConfig(metric=metric, mode="max", max_concurrent_trials=max_concurrent or None),
+            tune_config=tune.TuneConfig(metric=metric, mode="max", max_concurrent_trials=max_concurrent or None,
+                                        reuse_actors=reuse_actors),
             run_config=tune.RunConfig(name=name, storage_path=str(storage), storage_filesystem=files, verbose=0,
                                       callbacks=[TrialLines(f"{prog} {name}", label, metric)],
                                       failure_config=tune.FailureConfig(max_failures=max_failures)),

@@ -119,3 +119,17 @@ def test_tunes_storage_writes_a_file_whole_or_not_at_all(tmp_path):
     stream.write(b"ten")
     stream.close()
     assert target.read_text() == "new, half written" and os.listdir(tmp_path) == ["state.json"]
+
+
+def test_a_trial_in_a_reused_process_gives_the_metrics_of_one_in_a_fresh_process(tiny_shards, build_pretrained,
+                                                                                   tmp_path, ray_session, mlflow_store):
+    # A sweep runs a trial in the process of a finished one: two trials with the same config, one
+    # after the other, must agree, the first in a new process and the second in the reused one.
+    from training.finetune import FinetuneConfig, run_finetune
+
+    pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
+    summary = run_finetune(FinetuneConfig(train=str(tiny_shards), test=str(tiny_shards), pretrained=str(pretrained),
+                                          output=str(tmp_path / "out"), lrs=[0.1, 0.1], steps=4, batch_size=4,
+                                          warmup_steps=1, val_fraction=0.25, max_concurrent=1))
+    first, second = summary["trials"]
+    assert first == second
