@@ -32,6 +32,10 @@ class Interrupted(Exception):
         self.signum, self.kept = signum, kept
 
 
+# The first signal of a stage's run, while any :func:`interrupts` is in force (main thread only).
+_stopping: dict[str, Any] = {"depth": 0, "signum": None}
+
+
 @contextlib.contextmanager
 def interrupts(before_raise: Callable[[int], None] | None = None) -> Iterator[None]:
     """SIGINT and SIGTERM raise :class:`SignalInterrupt` in the main thread for the duration.
@@ -39,20 +43,31 @@ def interrupts(before_raise: Callable[[int], None] | None = None) -> Iterator[No
     Ray installs its own handlers (``ray.init``: SIGTERM exits 15; Ray Train's ``fit``: SIGINT
     aborts the run and exits 1, silently), so a stage enters this after Ray has started.
     ``before_raise(signum)`` runs first: what the unwinding would otherwise wait on can be stopped there.
+
+    Only the first signal raises: until the outermost of nested contexts exits, later ones are
+    ignored, so that a second Ctrl-C (common while Ray shuts down) cannot cut short the unwinding
+    that marks the run KILLED, releases the output's lock and reaps the workers.
     """
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def _raise(signum, frame):
+        if _stopping["signum"] is not None:
+            return
+        _stopping["signum"] = signum
         if before_raise is not None:
             before_raise(signum)
         raise SignalInterrupt(signum)
 
     before = {s: signal.signal(s, _raise) for s in (signal.SIGINT, signal.SIGTERM)}
+    _stopping["depth"] += 1
     try:
         yield
     finally:
+        _stopping["depth"] -= 1
+        if not _stopping["depth"]:
+            _stopping["signum"] = None
         for s, handler in before.items():
             signal.signal(s, handler)
 
@@ -82,24 +97,26 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     progress.configure(verbose=None if verbose is None else bool(verbose), every=console.get("progress_every"))
     if argv is None:  # a process's own command line; a caller passing argv (a test) keeps its stderr
         progress.quiet_console()
-    try:
-        with interrupts():  # a SIGTERM too ends in one line; a stage that knows what it kept says so
+    # A SIGTERM too ends in one line; a stage that knows what it kept says so. The line is printed
+    # inside interrupts(), so a second signal cannot cut it off.
+    with interrupts():
+        try:
             result = runner(cfg)
-    except InputError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except Interrupted as exc:
-        command = shlex.join(["python", *(sys.argv if argv is None else [f"jobs/{prog}.py", *argv])])
-        print(f"{prog}: interrupted by {signal.Signals(exc.signum).name}; {exc.kept}; resume with: {command}",
-              file=sys.stderr)
-        return 128 + exc.signum
-    except KeyboardInterrupt as exc:
-        signum = getattr(exc, "signum", signal.SIGINT)
-        print(f"{prog}: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
-        return 128 + signum
-    except failures as exc:
-        print(f"{prog}: {exc}", file=sys.stderr)
-        return 1
+        except InputError as exc:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 2
+        except Interrupted as exc:
+            command = shlex.join(["python", *(sys.argv if argv is None else [f"jobs/{prog}.py", *argv])])
+            print(f"{prog}: interrupted by {signal.Signals(exc.signum).name}; {exc.kept}; resume with: {command}",
+                  file=sys.stderr)
+            return 128 + exc.signum
+        except KeyboardInterrupt as exc:
+            signum = getattr(exc, "signum", signal.SIGINT)
+            print(f"{prog}: interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+            return 128 + signum
+        except failures as exc:
+            print(f"{prog}: {exc}", file=sys.stderr)
+            return 1
     if result is not None:
         report(result)
     return 0

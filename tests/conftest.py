@@ -12,6 +12,40 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _stop_pytest(signum, frame):
+    """SIGTERM stops the run as Ctrl-C does: the session's fixtures (Ray, servers) are torn down."""
+    raise KeyboardInterrupt(f"pytest stopped by {signal.Signals(signum).name}")
+
+
+# The SIGINT and SIGTERM handlers the whole run keeps, put back after each phase of each test.
+_SUITE_HANDLERS: dict[int, object] = {}
+
+
+def pytest_sessionstart(session):
+    _SUITE_HANDLERS[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+    _SUITE_HANDLERS[signal.SIGTERM] = _stop_pytest
+    signal.signal(signal.SIGTERM, _stop_pytest)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep SIGTERM able to stop the run.
+
+    ``ray.init`` in this process (the ``ray_session`` fixture, or a stage a test runs) leaves its
+    own SIGTERM handler, which raises ``SystemExit(15)``: pytest counted that as one failed test
+    and went on. That handler, or a stage's :func:`common.cli.interrupts`, can still take a
+    SIGTERM in the phase that installed it: the run stops after that test.
+    """
+    report = yield
+    exc = call.excinfo.value if call.excinfo is not None else None
+    if (isinstance(exc, SystemExit) and exc.code == signal.SIGTERM) or getattr(exc, "signum", None) == signal.SIGTERM:
+        item.session.shouldstop = f"{item.nodeid} was stopped by SIGTERM"
+    for signum, handler in _SUITE_HANDLERS.items():
+        if signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
+    return report
+
+
 @pytest.fixture(autouse=True)
 def _no_tracking_uri_leaks():
     """Undo the ``MLFLOW_TRACKING_URI`` that ``mlflow.set_tracking_uri`` exports to os.environ.

@@ -76,10 +76,37 @@ def test_a_signal_inside_interrupts_is_one_line_with_what_was_kept_and_the_resum
         except KeyboardInterrupt as exc:
             raise Interrupted(exc.signum, "kept step 4") from None
 
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     assert run_job(Cfg, runner, ["--name", "a b"], prog="job") == code
     assert capsys.readouterr().err == (f"job: interrupted by {signal.Signals(signum).name}; kept step 4; "
                                        "resume with: python jobs/job.py --name 'a b'\n")
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are put back
+    # The handlers are put back: pytest's, or those of a Ray started in this process before.
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_while_the_stage_unwinds_is_ignored(second, capsys):
+    unwound = []
+
+    def runner(cfg):
+        try:
+            with interrupts(before_raise=lambda signum: os.kill(os.getpid(), second)):  # while the reaper runs
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)  # the handler raises before this ends
+        except KeyboardInterrupt as exc:
+            os.kill(os.getpid(), second)  # as Ray shuts down, the user presses Ctrl-C again
+            time.sleep(0.5)  # a handler still armed would raise in here
+            unwound.append("run KILLED, lock released")
+            raise Interrupted(exc.signum, "kept step 4") from None
+
+    assert run_job(Cfg, runner, ["--name", "a"], prog="job") == 130
+    assert unwound == ["run KILLED, lock released"]
+    assert capsys.readouterr().err == ("job: interrupted by SIGINT; kept step 4; "
+                                       "resume with: python jobs/job.py --name a\n")
+    with pytest.raises(KeyboardInterrupt):  # the next stage is stopped by its first signal again
+        with interrupts():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
 
 
 def test_a_sigterm_to_a_stage_with_no_handler_of_its_own_is_one_line(capsys):
@@ -88,6 +115,7 @@ def test_a_sigterm_to_a_stage_with_no_handler_of_its_own_is_one_line(capsys):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)
 
+    before = signal.getsignal(signal.SIGTERM)
     assert run_job(Cfg, runner, ["--name", "a"], prog="job") == 143
     assert capsys.readouterr().err == "job: interrupted by SIGTERM\n"
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before
