@@ -45,6 +45,9 @@ class _QuietSender(logging.Filter):
         return record.threadName != _THREAD
 
 
+_QUIET = _QuietSender()
+
+
 def shown_uri(uri: str) -> str:
     """``uri`` without a user or password, for the console."""
     parts = urllib.parse.urlsplit(uri)
@@ -83,7 +86,7 @@ class MetricsQueue:
         self.spilled = 0
         self._client: Any = None
         for name in ("urllib3.connectionpool", "urllib3.util.retry"):
-            logging.getLogger(name).addFilter(_QuietSender())
+            logging.getLogger(name).addFilter(_QUIET)  # once: a logger keeps one copy of a filter
         self._thread = threading.Thread(target=self._run, name=_THREAD, daemon=True)
         self._thread.start()
 
@@ -107,7 +110,16 @@ class MetricsQueue:
         the run holds every record. What it does not is kept in the spool, and the console says where."""
         self._stop.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():  # a send still in MLflow's retries; the journal holds every record
+            print(f"tracking: MLflow at {shown_uri(self.uri)} did not take the last metrics in {timeout:g}s; "
+                  f"{self.pending()} records are kept in {self.spool} and sent when the run resumes",
+                  file=sys.stderr, flush=True)
         return self.pending() == 0
+
+    @property
+    def unreachable(self) -> bool:
+        """Whether the last send failed and the records wait in the spool for the server."""
+        return self._down
 
     def pending(self) -> int:
         """Records logged and not yet known to be in the run."""

@@ -17,6 +17,9 @@ from common import tracking
 from common.tracking_queue import MetricsQueue
 from training.loop import all_reduce_sum
 
+# How long the end of training waits for the tracker; what it has not taken stays in the spool.
+CLOSE_TIMEOUT_S = 120.0
+
 
 class Window:
     """This rank's sums since the window opened, which a logged or reported mean divides out."""
@@ -95,7 +98,7 @@ class MetricsSink:
     def close(self) -> None:
         """Send what rank 0 has queued; what the server does not take stays in the spool for a resume."""
         if self.queue is not None:
-            self.queue.close()
+            self.queue.close(timeout=CLOSE_TIMEOUT_S)
 
     def log_step(self, step: int, lr: float, grad_norm: Any) -> None:
         """At each log interval: the interval's loss, learning rate, throughput and input wait."""

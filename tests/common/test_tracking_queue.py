@@ -99,7 +99,7 @@ def test_server_killed_past_the_retry_budget_and_restarted_gets_every_metric_onc
         _kill(server)
         slowest = _log(q, range(10, 20))
         # Past MLflow's retry budget: the sender has failed at least once, and training logs on.
-        _wait(lambda: q._down, 60)
+        _wait(lambda: q.unreachable, 60)
         for first in range(20, 60, 10):
             slowest = max(slowest, _log(q, range(first, first + 10)))
             time.sleep(0.5)
@@ -143,9 +143,7 @@ def test_records_sent_but_not_marked_sent_are_not_logged_twice(tmp_path):
     spool = tmp_path / "spool"
     first = MetricsQueue(run_id, uri=store, spool=spool)
     _log(first, range(10))
-    _wait(lambda: first.pending() == 0)
-    first._stop.set()
-    first._thread.join()
+    assert first.close(timeout=120)
     # A process killed after log_batch returned and before it wrote down what it sent.
     lines = [json.dumps({"seq": s, "step": s, "timestamp": 1_000 + s, "metrics": {"train_loss": 1.0, "lr": 0.1}})
              for s in range(10, 15)]
