@@ -514,10 +514,11 @@ def create_child_run(parent_run_id: str, name: str, *, params: Mapping[str, Any]
     return run.info.run_id
 
 
-def end_run(run_id: str, *, failed: bool = False, uri: str | None = None) -> None:
+def end_run(run_id: str, *, failed: bool = False, uri: str | None = None, status: str | None = None) -> None:
+    """End ``run_id`` FINISHED, FAILED (``failed``), or with ``status`` (``KILLED`` for a run whose process is gone)."""
     import mlflow
 
-    mlflow.MlflowClient(uri or tracking_uri()).set_terminated(run_id, "FAILED" if failed else "FINISHED")
+    mlflow.MlflowClient(uri or tracking_uri()).set_terminated(run_id, status or ("FAILED" if failed else "FINISHED"))
 
 
 def end_active_run(status: str) -> None:

@@ -1,17 +1,24 @@
 """Rank 0's metrics sink for pre-training: the MLflow run the driver opened, and the driver's progress board.
 
-Ray Train V2 rejects ``MLflowLoggerCallback``, so rank 0 logs into the run by id. Every rank
+Ray Train V2 rejects ``MLflowLoggerCallback``, so rank 0 logs into the run by id, from a background
+queue through a spool beside the checkpoints (:mod:`common.tracking_queue`): a tracking outage
+never stops training. Every rank
 calls the sink, because the images, loss and accuracy it reports are summed over all workers.
 """
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from common import tracking
+from common.tracking_queue import MetricsQueue
 from training.loop import all_reduce_sum
+
+# How long the end of training waits for the tracker; what it has not taken stays in the spool.
+CLOSE_TIMEOUT_S = 120.0
 
 
 class Window:
@@ -42,9 +49,11 @@ class MetricsSink:
 
     def __init__(self, *, rank: int, world: int, device: torch.device, run_id: str | None, uri: str | None,
                  board: Any, log_every: int, total_steps: int, end_step: int,
-                 peak_flops: float | None, flops_per_image: float) -> None:
+                 peak_flops: float | None, flops_per_image: float, spool: str | Path | None = None) -> None:
         self.rank, self.world, self.device = rank, world, device
         self.run_id, self.uri, self.board = run_id, uri, board
+        # Rank 0's queue to the run, opened at its first metric; without a spool folder, logged in line.
+        self.spool, self.queue = spool, None
         self.log_every, self.total_steps, self.end_step = log_every, total_steps, end_step
         self.peak_flops, self.flops_per_image = peak_flops, flops_per_image
         self.since_log, self.since_report = Window(), Window()
@@ -80,8 +89,18 @@ class MetricsSink:
         self.since_report.correct = self.since_report.correct + correct
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        if self.logs_to_mlflow:
+        if self.logs_to_mlflow and self.spool is None:
             tracking.log_metrics_to(self.run_id, metrics, step=step, uri=self.uri)
+        elif self.logs_to_mlflow:
+            if self.queue is None:
+                self.queue = MetricsQueue(self.run_id, uri=self.uri or tracking.tracking_uri(),
+                                          spool=Path(self.spool) / self.run_id)
+            self.queue.log(metrics, step)
+
+    def close(self) -> None:
+        """Send what rank 0 has queued; what the server does not take stays in the spool for a resume."""
+        if self.queue is not None:
+            self.queue.close(timeout=CLOSE_TIMEOUT_S)
 
     def log_step(self, step: int, lr: float, grad_norm: Any) -> None:
         """At each log interval: the interval's loss, learning rate, throughput and input wait."""

@@ -37,6 +37,7 @@ from common.fs import atomic_write, make_output_dir, url_to_fs
 from common.jobenv import durable_path, is_url
 from common.locks import FolderLock
 from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progress_every
+from common.tracking_queue import SPOOL_DIR
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
 from training import run_artifacts
 
@@ -184,7 +185,11 @@ def train_loop_per_worker(config: dict) -> None:
     """One Ray Train worker: build the trainer from the driver's config, train, report."""
     from training.trainer import Trainer
 
-    Trainer(PretrainConfig(**config["cfg"]), config).build().train()
+    trainer = Trainer(PretrainConfig(**config["cfg"]), config).build()
+    try:
+        trainer.train()
+    finally:
+        trainer.metrics.close()
 
 
 class _StartCounter:
@@ -289,21 +294,27 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     storage = _storage(cfg, Path(cfg.output))
     # One run at a time in an output folder: two would resume the same run into the same checkpoints.
     with FolderLock(make_output_dir(Path(cfg.output)), "pretrain"):
-        cfg, resume, output = _claim(cfg, storage)
+        cfg, resume, output, reopen = _claim(cfg, storage)
         _warn_one_class(cfg, shards)
         init_ray(cfg.ray_address)
         datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}
         data_record = shard_set_record(cfg.data, role="training")
         records = [data_record] + ([shard_set_record(cfg.fewshot_data, role="evaluation")] if cfg.fewshot_data else [])
         name = f"pretrain {cfg.variant.replace('/', '')} on {data_record['name']}"
-        with tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
-                                run_name=f"{name} ({cfg.run_name})",
-                                tags=tracking.run_tags(cfg, data=records, main=[data_record]),
-                                log_system_metrics=True) as run:
-            tracking.log_shard_inputs(records)
-            tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),
-                                  "planned_steps": total_steps, "steps_per_epoch": steps_per_epoch,
-                                  "accumulation": cfg.accumulation})
+        if reopen:  # the run this output's interrupted pre-training logged to, as a resumed sweep does
+            opened = tracking.start_run("pretrain", run_id=reopen, log_system_metrics=True)
+        else:
+            opened = tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
+                                        run_name=f"{name} ({cfg.run_name})",
+                                        tags=tracking.run_tags(cfg, data=records, main=[data_record]),
+                                        log_system_metrics=True)
+        with opened as run:
+            _record_run(output, cfg, run.info.run_id)
+            if not reopen:
+                tracking.log_shard_inputs(records)
+                tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),
+                                      "planned_steps": total_steps, "steps_per_epoch": steps_per_epoch,
+                                      "accumulation": cfg.accumulation})
             try:
                 with interrupts():
                     result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage, resume)
@@ -337,18 +348,63 @@ def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, 
     return dataclasses.replace(cfg, output=str(output)), shards, uri, plan
 
 
-def _claim(cfg: PretrainConfig, storage: tuple[str, Any]) -> tuple[PretrainConfig, dict, Path]:
+def _claim(cfg: PretrainConfig, storage: tuple[str, Any]) -> tuple[PretrainConfig, dict, Path, str | None]:
     """Before Ray starts: the run ``output`` holds (or a new one), where it resumes from, checked
-    against this config, and the output folder with the run's record in it."""
+    against this config, the output folder with the run's record in it, and the MLflow run to
+    reopen (the recorded one, unless it finished)."""
     from training.ray_utils import check_resume_snapshot
 
     output = make_output_dir(Path(cfg.output))
+    before = _recorded(output)
     cfg = _claim_output(cfg, storage)
+    mlflow_run_id = before.get("mlflow_run_id") if before.get("run_name") == cfg.run_name else None
+    if before.get("mlflow_run_id") and not mlflow_run_id:
+        _close_dead_run(before["mlflow_run_id"])  # --overwrite: the replaced run's process is gone (FolderLock)
     known = check_resume_snapshot(storage[0], cfg.run_name, storage[1])
     resume = _resume_point(cfg, storage, known)
-    atomic_write(output / RUN_RECORD, json.dumps({"run_name": cfg.run_name, "config": dataclasses.asdict(cfg)},
-                                                 indent=2, default=str))
-    return cfg, resume, output
+    _record_run(output, cfg, mlflow_run_id)
+    return cfg, resume, output, _unfinished(mlflow_run_id)
+
+
+def _recorded(output: Path) -> dict:
+    try:
+        record = json.loads((output / RUN_RECORD).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _record_run(output: Path, cfg: PretrainConfig, mlflow_run_id: str | None) -> None:
+    record = {"run_name": cfg.run_name, "config": dataclasses.asdict(cfg)}
+    if mlflow_run_id:
+        record["mlflow_run_id"] = mlflow_run_id
+    atomic_write(output / RUN_RECORD, json.dumps(record, indent=2, default=str))
+
+
+def _unfinished(mlflow_run_id: str | None) -> str | None:
+    """``mlflow_run_id`` when the tracking store holds it and it did not finish (RUNNING after a
+    SIGKILL, KILLED after Ctrl-C, FAILED), else None: a new run is opened."""
+    from mlflow.exceptions import MlflowException
+
+    if not mlflow_run_id:
+        return None
+    try:
+        status = tracking.get_run(mlflow_run_id).info.status
+    except MlflowException:  # another tracking store, or the run was deleted
+        return None
+    return mlflow_run_id if status in ("RUNNING", "KILLED", "FAILED") else None
+
+
+def _close_dead_run(mlflow_run_id: str) -> None:
+    """Mark a replaced run that a killed process left RUNNING as KILLED."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        status = tracking.get_run(mlflow_run_id).info.status
+    except MlflowException:
+        return
+    if status == "RUNNING":
+        tracking.end_run(mlflow_run_id, status="KILLED")
 
 
 def _claim_output(cfg: PretrainConfig, storage: tuple[str, Any]) -> PretrainConfig:
@@ -389,7 +445,7 @@ def _remove_run(output: Path, run_name: str, storage: tuple[str, Any]) -> None:
         shutil.rmtree(Path(storage_path) / run_name, ignore_errors=True)
     for name in (MODEL_FILE, SUMMARY, tracking.LINEAGE_FILE, RUN_RECORD):
         (output / name).unlink(missing_ok=True)
-    for folder in ("inspection", Path(run_artifacts.PRETRAIN_CURVES).parent):
+    for folder in ("inspection", Path(run_artifacts.PRETRAIN_CURVES).parent, SPOOL_DIR):
         shutil.rmtree(output / folder, ignore_errors=True)
 
 

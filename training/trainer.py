@@ -7,6 +7,7 @@ the submission, and the components decide when to log, evaluate and save.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
@@ -25,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils.data import DataLoader, DistributedSampler
 
 import vitcore
+from common.tracking_queue import SPOOL_DIR
 from training.augment import device_batch
 from training.checkpointer import Checkpointer, DataPosition, gather
 from training.data import (
@@ -95,7 +97,8 @@ class Trainer:
                                    run_id=self.run["mlflow_run_id"], uri=self.run["mlflow_uri"],
                                    board=self.run.get("progress"), log_every=cfg.log_every,
                                    total_steps=self.total_steps, end_step=self.end_step, peak_flops=peak,
-                                   flops_per_image=vitcore.train_flops_per_image(self.model))
+                                   flops_per_image=vitcore.train_flops_per_image(self.model),
+                                   spool=Path(cfg.output) / SPOOL_DIR)
         return self
 
     def _build_model(self, num_classes: int) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:

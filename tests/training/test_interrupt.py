@@ -70,6 +70,7 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it
     assert f"kept its checkpoint at step {newest} of 100000" in lines[0]
     assert f"resume with: python jobs/pretrain.py --data {tiny_shards}" in lines[0]
     assert [r.info.status for r in _runs(home)] == ["KILLED"]
+    killed = _runs(home)[0].info.run_id
 
     # The same command, longer by two steps and with no --run-name: it resumes the run in --output,
     # from the newest complete checkpoint on disk, whatever Ray Train's snapshot recorded.
@@ -81,6 +82,8 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout)
     assert summary["resumed_from_step"] == newest and summary["steps"] == newest + 2
+    # The resumed run logs into the run it was killed in, which ends FINISHED: one run, not two.
+    assert summary["mlflow_run_id"] == killed and [r.info.status for r in _runs(home)] == ["FINISHED"]
     assert [m.name for m in _logged_models(home, summary["mlflow_run_id"])] == [f"pretrain-Ti8-{tiny_shards.name}"]
     snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
     listed = {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
@@ -97,7 +100,7 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it
     other = subprocess.run([*job, "--steps", "4", "--run-name", "another"], env=_env(home), cwd=REPO,
                            capture_output=True, text=True, timeout=300)
     assert other.returncode == 2 and f"holds run {record['run_name']!r}, not 'another'" in other.stderr
-    assert len(_runs(home)) == 2
+    assert len(_runs(home)) == 1
 
     # --overwrite starts again under a new name; the old run's checkpoints go.
     fresh = subprocess.run([*job, "--steps", "2", "--depth", "2", "--overwrite"], env=_env(home), cwd=REPO,
