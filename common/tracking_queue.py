@@ -1,11 +1,12 @@
 """Metrics sent to an MLflow run from a background thread through a disk spool: training never
 waits for the tracking server.
 
-:meth:`MetricsQueue.log` stamps a record (a sequence number, the step, the time) and hands it to
-a bounded in-memory queue; when the queue is full the record is appended to the spool instead.
-It never blocks and never drops a record. The sender thread appends what it takes from the
-queue to the same spool (``metrics.jsonl``), sends the records in sequence order with
-``log_batch``, and writes the last sequence number sent (``sent.json``) after each batch. While
+:meth:`MetricsQueue.log` stamps a record (a sequence number, the step, the time), appends it to
+the spool on local disk (``metrics.jsonl``) and hands it to a bounded in-memory queue; when the
+queue is full the sender reads it back from the spool. It never waits for the server and never
+drops a record, even when the process is killed. The sender thread sends the records in
+sequence order with ``log_batch`` and writes the last sequence number sent (``sent.json``) after
+each batch. While
 the server is unreachable the records stay in the spool and are sent, in order, once it answers
 again, or at :meth:`MetricsQueue.close`, or by the next queue opened on the same spool (a resumed
 run). A batch whose send failed may have reached the store: before it is sent again, the points
@@ -99,10 +100,11 @@ class MetricsQueue:
         with self._lock:
             record["seq"] = self._seq
             self._seq += 1
+            # Written ahead, so that a worker killed with records still queued loses none of them.
+            self._append([record])
             try:
                 self._queue.put_nowait(record)
-            except queue.Full:
-                self._append([record])
+            except queue.Full:  # the sender finds it in the spool by the gap in the sequence
                 self.spilled += 1
 
     def close(self, timeout: float | None = None) -> bool:
@@ -131,9 +133,6 @@ class MetricsQueue:
         while True:
             stopping = self._stop.is_set()
             batch = self._drain(wait=not stopping)
-            if batch:
-                with self._lock:
-                    self._append(batch)
             if self._refused:
                 if stopping and self._queue.empty():
                     break
