@@ -1,8 +1,8 @@
 """Where a small Tune trial's time goes: start-up, training and finish, with and without reused actors.
 
 Runs the demo's VTAB selection sweep (three generated tasks at 32 px, a 4-block Ti/8, 2 learning
-rates x 2 schedules: 12 trials of ``training.vtab.vtab_trial``) twice in one Ray session: with
-``reuse_actors`` (the project's setting, ``training.sweep.tune_sweep``) and without (the
+rates x 2 schedules: 12 trials of ``transfer.vtab.vtab_trial``) twice in one Ray session: with
+``reuse_actors`` (the project's setting, ``transfer.sweep.tune_sweep``) and without (the
 baseline: a new Ray worker per trial). Per trial, on the machine's wall clock:
 
 * ``startup_s``: a trial slot frees (the sweep starts, or an earlier trial returns) until the
@@ -41,13 +41,13 @@ TASK_GROUPS = {"digits": "natural", "textures": "specialized", "count": "structu
 
 
 def timed_trial(config: dict) -> None:
-    """``training.vtab.vtab_trial``, recording when it was entered, its first and last SGD step and
+    """``transfer.vtab.vtab_trial``, recording when it was entered, its first and last SGD step and
     its return into ``config["bench_dir"]``. ``train_sgd`` imports ``accumulate_step`` from
     ``training.loop`` at each call, so replacing it there times the trial's steps unchanged."""
     from ray import tune
 
     from training import loop
-    from training.vtab import vtab_trial
+    from transfer.vtab import vtab_trial
 
     entered = time.time()
     step = getattr(loop.accumulate_step, "__wrapped__", loop.accumulate_step)
@@ -74,7 +74,7 @@ def timed_trial(config: dict) -> None:
 def make_tasks(root: Path, *, train: int, val: int, test: int) -> list[str]:
     """The demo's three generated tasks through the folders converter; their --task specs."""
     from demo.data import build_vtab_tasks
-    from training.vtab_data import VtabPrepareConfig, run_vtab_prepare
+    from transfer.vtab_data import VtabPrepareConfig, run_vtab_prepare
 
     raw = build_vtab_tasks(root / "raw", train=train + val, test=test, size=32)
     specs = []
@@ -104,7 +104,7 @@ def run_sweep(cfg, tasks: dict, work: Path, *, reuse: bool, label: str, slots: i
     from ray import tune
 
     from common import tracking
-    from training.sweep import trial_resources, tune_sweep
+    from transfer.sweep import trial_resources, tune_sweep
 
     bench = work / f"times-{label}"
     bench.mkdir()
@@ -159,8 +159,8 @@ def main(argv=None) -> dict:
     os.environ.pop("MLFLOW_TRACKING_URI", None)
 
     from training.ray_utils import cpus_available, init_ray
-    from training.vtab import VtabConfig
-    from training.vtab_data import resolve_tasks
+    from transfer.vtab import VtabConfig
+    from transfer.vtab_data import resolve_tasks
 
     load_before = os.getloadavg()[0]
     data = Path(args.data).resolve() if args.data else work

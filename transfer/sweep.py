@@ -40,7 +40,7 @@ def tune_sweep(trainable, param_space: dict, *, name: str, output: Path, resourc
 
     ``reuse_actors``: a trial runs in the process of a finished one where one is free. A small
     trial spends most of its time starting a Ray worker and importing torch and MLflow; each trial
-    seeds itself (:func:`training.sgd.start_trial`), so its results do not depend on the process.
+    seeds itself (:func:`transfer.sgd.start_trial`), so its results do not depend on the process.
     """
     from ray import tune
 

@@ -125,7 +125,7 @@ def test_a_trial_in_a_reused_process_gives_the_metrics_of_one_in_a_fresh_process
                                                                                    tmp_path, ray_session, mlflow_store):
     # A sweep runs a trial in the process of a finished one: two trials with the same config, one
     # after the other, must agree, the first in a new process and the second in the reused one.
-    from training.finetune import FinetuneConfig, run_finetune
+    from transfer.finetune import FinetuneConfig, run_finetune
 
     pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
     summary = run_finetune(FinetuneConfig(train=str(tiny_shards), test=str(tiny_shards), pretrained=str(pretrained),
