@@ -36,16 +36,21 @@ def _start_server(store: Path, port: int) -> subprocess.Popen:
          "--default-artifact-root", (store / "artifacts").as_uri(), "--host", "127.0.0.1", "--port", str(port),
          "--workers", "1"],
         env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, (store / "server.log").read_text()[-3000:]
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except requests.RequestException:
-            pass
-        time.sleep(0.3)
-    pytest.fail(f"mlflow server did not answer in 180s: {(store / 'server.log').read_text()[-3000:]}")
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, (store / "server.log").read_text()[-3000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    return proc
+            except requests.RequestException:
+                pass
+            time.sleep(0.3)
+        pytest.fail(f"mlflow server did not answer in 180s: {(store / 'server.log').read_text()[-3000:]}")
+    except BaseException:  # a failed start, or the run stopped while it waited: no server outlives the test
+        if proc.poll() is None:
+            _kill(proc)
+        raise
 
 
 def _kill(proc: subprocess.Popen) -> None:
