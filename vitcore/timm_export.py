@@ -56,6 +56,10 @@ class TimmExport:
 
 def refusal(config: ViTConfig) -> str | None:
     """Why timm's VisionTransformer cannot compute what ``config``'s model computes; None if it can."""
+    if not isinstance(config, ViTConfig):
+        return (f"{getattr(config, 'variant', type(config).__name__)} is not a Vision Transformer; the export "
+                "writes timm's VisionTransformer only (a BiT ResNet's state dict already uses timm's resnetv2 "
+                "names: load it with timm.create_model('resnetv2_...').load_state_dict)")
     if config.representation_size:
         return (f"its tanh pre-logits layer (representation_size={config.representation_size}, the pre-training "
                 "head) has no counterpart in timm's VisionTransformer, and leaving it out changes every output; "

@@ -286,3 +286,13 @@ def test_a_file_that_is_not_a_vitscale_model_is_refused(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.safetensors: no such checkpoint"):
         export_timm(tmp_path / "missing.safetensors", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_bit_resnet_is_refused_in_one_line(tmp_path):
+    import vitcore
+    from vitcore.checkpoint import save_checkpoint
+
+    save_checkpoint(vitcore.create_model("BiT-mu", num_classes=3, img_size=32), tmp_path / "model.safetensors")
+    with pytest.raises(TimmExportError, match="BiT-mu is not a Vision Transformer") as info:
+        export_timm(tmp_path / "model.safetensors", tmp_path / "out")
+    assert "\n" not in str(info.value) and not (tmp_path / "out").exists()
