@@ -288,7 +288,7 @@ def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) ->
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
     trained and the worker-group restarts."""
-    from training.ray_utils import init_ray
+    from training.ray_utils import init_ray, stop_own_ray
 
     cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
     storage = _storage(cfg, Path(cfg.output))
@@ -320,6 +320,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                     result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage, resume)
             except KeyboardInterrupt as exc:
                 tracking.end_active_run("KILLED")
+                stop_own_ray()  # the workers stop here, so that the newest checkpoint named is the last one
                 raise Interrupted(getattr(exc, "signum", signal.SIGINT), _kept(cfg, storage, total_steps)) from None
             summary = _summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts)
             _publish(cfg, run, summary, shards, output, name)

@@ -15,6 +15,8 @@ from common.config import ConfigError
 from common.fs import atomic_open
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# Whether :func:`init_ray` started Ray in this process (and so may stop it).
+_STARTED_HERE = False
 
 
 def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
@@ -40,6 +42,8 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
         ray.init(address=address, log_to_driver=log_to_driver)
         return
     _loopback_node()
+    global _STARTED_HERE
+    _STARTED_HERE = True
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         num_cpus=num_cpus,
@@ -50,6 +54,18 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
         configure_logging=True,
         logging_level="WARNING",
     )
+
+
+def stop_own_ray() -> None:
+    """Stop the Ray that :func:`init_ray` started in this process, and its workers with it; a
+    session this process only joined (a cluster, a test session) is left running. An interrupted
+    stage calls it before it says what it kept: until then a worker may still write a checkpoint."""
+    import ray
+
+    global _STARTED_HERE
+    if _STARTED_HERE and ray.is_initialized():
+        ray.shutdown()
+    _STARTED_HERE = False
 
 
 def mute_dropped_exits() -> None:

@@ -3,6 +3,7 @@ server does; the caller's ``log`` never waits for it."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -121,15 +122,22 @@ def test_server_killed_past_the_retry_budget_and_restarted_gets_every_metric_onc
             _kill(server)
 
 
-def test_a_full_queue_spills_to_the_spool_and_a_later_queue_sends_it_all_in_order(tmp_path, free_port,
+def test_a_full_queue_spills_to_the_spool_and_a_later_queue_sends_it_all_in_order(tmp_path,
                                                                                     low_retry_budget, capfd):
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     run_id = _new_run(store)
     spool = tmp_path / "spool"
-    down = MetricsQueue(run_id, uri=f"http://127.0.0.1:{free_port()}", spool=spool, maxsize=4, probe_every=0.2)
-    slowest = _log(down, range(200))
-    assert slowest < LIVENESS_S
-    assert not down.close(timeout=120)
+    # A server that takes connections and never answers: the sender waits in its first send (MLflow's
+    # timeout), so the queue fills whatever the machine's speed. A closed port refuses at once, and
+    # the sender could then drain the queue as fast as the caller fills it.
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(256)
+        down = MetricsQueue(run_id, uri=f"http://127.0.0.1:{silent.getsockname()[1]}", spool=spool, maxsize=4,
+                            probe_every=0.2)
+        slowest = _log(down, range(200))
+        assert slowest < LIVENESS_S
+        assert not down.close(timeout=120)
     assert down.spilled > 0
     kept = sorted(json.loads(line)["step"] for line in (spool / JOURNAL).read_text().splitlines())
     assert kept == list(range(200))  # nothing dropped
