@@ -469,18 +469,25 @@ def metric_history(run_id: str, keys: list[str]) -> dict[str, list[tuple[int, fl
 
 def log_model_from_code(code: str | Path, *, weights: str | Path, name: str = "model",
                         code_paths: list[str] | None = None, pip_requirements: list[str] | None = None,
-                        metadata: Mapping[str, Any] | None = None, input_example: Any = None) -> Any:
+                        metadata: Mapping[str, Any] | None = None, input_example: Any = None,
+                        signature: Any = None, model_config: Mapping[str, Any] | None = None) -> Any:
     """Log an MLflow pyfunc model from code (no pickle): ``code`` is the model's Python file,
-    ``weights`` its weights, shipped as the artifact ``weights``; returns MLflow's ModelInfo.
+    ``weights`` its weights, shipped as the artifact ``weights``; ``model_config`` reaches the
+    model's ``load_context`` as ``context.model_config``. Returns MLflow's ModelInfo.
 
     ``pip_requirements`` are given so that MLflow does not load the model to infer them.
     """
+    import warnings
+
     import mlflow
 
-    return mlflow.pyfunc.log_model(
-        name=name, python_model=str(code), artifacts={"weights": str(weights)}, code_paths=code_paths,
-        pip_requirements=pip_requirements, metadata=dict(metadata or {}), input_example=input_example,
-    )
+    with warnings.catch_warnings():  # the signature is given; an example would load the model once more
+        warnings.filterwarnings("ignore", message=".*An input example was not provided")
+        return mlflow.pyfunc.log_model(
+            name=name, python_model=str(code), artifacts={"weights": str(weights)}, code_paths=code_paths,
+            pip_requirements=pip_requirements, metadata=dict(metadata or {}), input_example=input_example,
+            signature=signature, model_config=dict(model_config or {}),
+        )
 
 
 def log_metrics_to(run_id: str, metrics: Mapping[str, float], *, step: int = 0, uri: str | None = None) -> None:

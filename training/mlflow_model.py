@@ -1,27 +1,31 @@
-"""A vitcore ViT as an MLflow pyfunc model, logged from code (MLflow's "models from code").
+"""A vitcore model as an MLflow pyfunc model, logged from code (MLflow's "models from code").
 
 MLflow loads this file, not a pickle: ``load_context`` rebuilds the model from the weights
 artifact, a safetensors checkpoint (``vitcore.load_checkpoint``: tensors and a JSON config, no
 unpickling). ``mlflow.pytorch.log_model`` is not used because it saves the whole module with
 ``torch.save`` (pickle) and loads it with ``torch.load(weights_only=False)``.
 
-``predict`` takes a batch of images: an ``(N, H, W, 3)`` array of pixels (uint8, or floats in
-0..255), a list of ``(H, W, 3)`` arrays of any sizes, or an ``(N, 3, S, S)`` float array already
-normalised to [-1, 1] at the model's resolution. Pixel images are resized (bilinear) and
-normalised as the training pipeline's eval transform does. It returns the model's logits as an
-``(N, classes)`` float32 array (the pre-logits features for a head-less model); the class names, in
-column order, are in the model's metadata (``labels``).
+The model's signature (``training.run_artifacts.model_signature``) takes one column, ``image``: per row an image file's
+bytes (PNG, JPEG, WebP ...; base64 text when it comes as JSON to ``mlflow models serve``) or its
+pixels as a ``(H, W, 3)`` uint8 array, of any size. Each image is decoded to RGB, resized and
+normalised as the evaluation does (``training.data.eval_transform``: Pillow's bilinear resize to
+the model's resolution, then ``(x - 127.5) / 127.5``). ``predict`` returns a DataFrame with one
+column per class, named after it, holding the class probabilities (softmax, or sigmoid for a
+multi-label head); ``df.idxmax(axis=1)`` is the top class. A model without a classification head
+(masked patch prediction) returns its pre-logits features as an ``(N, D)`` float32 array.
 """
 from __future__ import annotations
+
+import base64
+import io
 
 import mlflow
 import numpy as np
 from mlflow.pyfunc import PythonModel
 
-
 class VitClassifier(PythonModel):
-    # predict takes several input layouts on purpose (above), so it has no type hint for MLflow's
-    # schema validation; without this MLflow warns about the missing hint on every import.
+    # The ``image`` column holds bytes or arrays, which a type hint cannot say; without this MLflow
+    # warns about the missing hint on every import. The logged signature is the contract.
     _skip_type_hint_validation = True
 
     def load_context(self, context) -> None:
@@ -32,37 +36,41 @@ class VitClassifier(PythonModel):
         torch.set_num_threads(max(1, min(4, torch.get_num_threads())))
         self.model = vitcore.load_checkpoint(context.artifacts["weights"]).eval()
         self.size = tuple(self.model.config.img_size)
+        config = context.model_config or {}
+        self.scores = config.get("scores", "softmax")
+        self.labels = list(config.get("labels") or [])
 
-    def _batch(self, images) -> "np.ndarray":
+    def pixels(self, image) -> np.ndarray:
+        """One image (file bytes, base64 text or an HWC array) as the model's normalised CHW input."""
         from PIL import Image
 
-        if hasattr(images, "to_numpy") and not isinstance(images, np.ndarray):  # a DataFrame of arrays
-            images = list(images.iloc[:, 0])
-        if isinstance(images, np.ndarray) and images.ndim == 4 and images.shape[1] == 3 and images.shape[-1] != 3:
-            return images.astype(np.float32)  # already CHW and normalised
-        if isinstance(images, np.ndarray) and images.ndim == 3:
-            images = images[None]
-        out = []
-        for img in images:
-            arr = np.asarray(img)
+        if isinstance(image, str):
+            image = base64.b64decode(image)
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            with Image.open(io.BytesIO(bytes(image))) as img:
+                arr = np.asarray(img.convert("RGB"))
+        else:
+            arr = np.asarray(image)
             if arr.ndim != 3 or arr.shape[-1] != 3:
-                raise ValueError(f"predict: expected images of shape (H, W, 3), got {arr.shape}; pass RGB pixels "
-                                 "or an (N, 3, S, S) array normalised to [-1, 1]")
+                raise ValueError(f"predict: an image array must be (H, W, 3) RGB pixels, got shape {arr.shape}; "
+                                 "or pass the image file's bytes")
             arr = np.clip(arr, 0, 255).astype(np.uint8)
-            if arr.shape[:2] != self.size:
-                arr = np.asarray(Image.fromarray(arr).resize(self.size[::-1], Image.BILINEAR))
-            out.append((arr.astype(np.float32).transpose(2, 0, 1) - 127.5) / 127.5)
-        return np.stack(out)
+        if arr.shape[:2] != self.size:
+            arr = np.asarray(Image.fromarray(arr).resize(self.size[::-1], Image.BILINEAR))
+        return (arr.astype(np.float32).transpose(2, 0, 1) - 127.5) / 127.5
 
     def predict(self, context, model_input, params=None):
+        import pandas as pd
         import torch
-        import torch.nn.functional as F
 
-        x = torch.from_numpy(self._batch(model_input))
-        if tuple(x.shape[-2:]) != self.size:
-            x = F.interpolate(x, size=self.size, mode="bilinear", align_corners=False)
+        images = model_input["image"] if isinstance(model_input, (dict, pd.DataFrame)) else model_input
+        x = torch.from_numpy(np.stack([self.pixels(im) for im in images]))
         with torch.inference_mode():
-            return self.model(x).float().numpy()
+            out = self.model(x).float()
+        if self.scores == "features":
+            return out.numpy()
+        probs = (torch.sigmoid(out) if self.scores == "sigmoid" else torch.softmax(out, dim=-1)).numpy()
+        return pd.DataFrame(probs, columns=self.labels or [str(i) for i in range(probs.shape[1])])
 
 
 mlflow.models.set_model(VitClassifier())

@@ -288,7 +288,7 @@ def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) ->
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
     trained and the worker-group restarts."""
-    from training.ray_utils import init_ray, stop_own_ray
+    from training.ray_utils import init_ray
 
     cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
     storage = _storage(cfg, Path(cfg.output))
@@ -296,7 +296,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     with FolderLock(make_output_dir(Path(cfg.output)), "pretrain"):
         cfg, resume, output, reopen = _claim(cfg, storage)
         _warn_one_class(cfg, shards)
-        init_ray(cfg.ray_address)
+        own_ray = init_ray(cfg.ray_address)
         datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}
         data_record = shard_set_record(cfg.data, role="training")
         records = [data_record] + ([shard_set_record(cfg.fewshot_data, role="evaluation")] if cfg.fewshot_data else [])
@@ -320,7 +320,10 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                     result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage, resume)
             except KeyboardInterrupt as exc:
                 tracking.end_active_run("KILLED")
-                stop_own_ray()  # the workers stop here, so that the newest checkpoint named is the last one
+                if own_ray:  # its workers stop here, so that the checkpoint named is the newest there will be
+                    import ray
+
+                    ray.shutdown()
                 raise Interrupted(getattr(exc, "signum", signal.SIGINT), _kept(cfg, storage, total_steps)) from None
             summary = _summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts)
             _publish(cfg, run, summary, shards, output, name)
@@ -603,7 +606,7 @@ def _publish(cfg: PretrainConfig, run: Any, summary: dict, shards: Any, output: 
     # Beside the model, for the stages that read it: this run and its lineage.
     tracking.write_lineage(output, run, "pretrain")
     info = run_artifacts.log_vit_model(model_path, name=run_artifacts.model_name("pretrain", cfg.variant, Path(cfg.data).name),
-                                       labels=shards.label_names,
+                                       labels=shards.label_names, scores=cfg.loss,
                                        metadata={"vitscale.pretrain_run_id": run_id, "vitscale.objective": cfg.objective})
     summary["mlflow_model_uri"] = info.model_uri
     if cfg.register_as:

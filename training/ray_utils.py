@@ -15,11 +15,9 @@ from common.config import ConfigError
 from common.fs import atomic_open
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-# Whether :func:`init_ray` started Ray in this process (and so may stop it).
-_STARTED_HERE = False
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> None:
+def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_driver: bool = True) -> bool:
     """Connect to Ray once.
 
     - Already connected (a test session, a Tune trial): nothing to do.
@@ -30,20 +28,22 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
     - Otherwise: start Ray in-process on loopback only (:func:`_loopback_node`), without
       the dashboard.
 
+    Returns whether this call started Ray in-process: then the caller may stop it, and its
+    workers with it, with ``ray.shutdown()`` (an interrupted stage does, before it names the
+    checkpoint it kept, since until then a worker may still write one).
+
     Workers import this repository's packages (``common``, ``vitcore``, ``pipelines``, ``training``, ``transfer``), so
     an in-process start puts the repository root on their ``PYTHONPATH``.
     """
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=log_to_driver)
-        return
+        return False
     _loopback_node()
-    global _STARTED_HERE
-    _STARTED_HERE = True
     pythonpath = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p)
     ray.init(
         num_cpus=num_cpus,
@@ -54,18 +54,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None, log_to_
         configure_logging=True,
         logging_level="WARNING",
     )
-
-
-def stop_own_ray() -> None:
-    """Stop the Ray that :func:`init_ray` started in this process, and its workers with it; a
-    session this process only joined (a cluster, a test session) is left running. An interrupted
-    stage calls it before it says what it kept: until then a worker may still write a checkpoint."""
-    import ray
-
-    global _STARTED_HERE
-    if _STARTED_HERE and ray.is_initialized():
-        ray.shutdown()
-    _STARTED_HERE = False
+    return True
 
 
 def mute_dropped_exits() -> None:

@@ -35,15 +35,39 @@ def model_name(stage: str, variant: str, data: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", f"{stage}-{variant.replace('/', '')}-{data}").strip("-")
 
 
-def log_vit_model(weights: str | Path, *, name: str, labels: list[str] | None = None,
+def log_vit_model(weights: str | Path, *, name: str, labels: list[str] | None = None, scores: str = "softmax",
                   metadata: dict[str, Any] | None = None):
     """Log ``weights`` (a vitcore safetensors checkpoint) as the active run's MLflow pyfunc model
     ``name`` (:func:`model_name`); vitcore goes with it as code, so the model loads without this
-    project. Returns MLflow's ModelInfo (``model_uri`` for ``mlflow.pyfunc.load_model``)."""
+    project. ``scores`` is how its outputs read: ``softmax`` or ``sigmoid`` probabilities per class,
+    in columns named by ``labels``, or ``features`` for a model without a classification head.
+    Returns MLflow's ModelInfo (``model_uri`` for ``mlflow.pyfunc.load_model``)."""
+    from vitcore.checkpoint import check_checkpoint
+
+    config = check_checkpoint(weights)
+    scores = "features" if not config.num_classes else scores
+    names = [str(n) for n in labels or []]
+    if len(names) != config.num_classes:  # unnamed classes are named by their index
+        names = [str(i) for i in range(config.num_classes)]
     return tracking.log_model_from_code(
         MODEL_CODE, weights=weights, name=name, code_paths=[str(VITCORE)], pip_requirements=_requirements(),
-        metadata={"labels": list(labels or []), **(metadata or {})},
+        metadata={"labels": names, **(metadata or {})}, signature=model_signature(names, scores),
+        model_config={"labels": names, "scores": scores},
     )
+
+
+def model_signature(labels: list[str], scores: str):
+    """The MLflow model's signature (:mod:`training.mlflow_model`): an ``image`` column in (file
+    bytes or an HWC uint8 array per row); out, a probability column per class, or an ``(N, D)``
+    float32 array of features for ``scores="features"``."""
+    import numpy as np
+    from mlflow.models import ModelSignature
+    from mlflow.types.schema import AnyType, ColSpec, Schema, TensorSpec
+
+    inputs = Schema([ColSpec(AnyType(), "image")])
+    if scores == "features":
+        return ModelSignature(inputs=inputs, outputs=Schema([TensorSpec(np.dtype(np.float32), (-1, -1))]))
+    return ModelSignature(inputs=inputs, outputs=Schema([ColSpec("float", name) for name in labels]))
 
 
 def pretrain_curves(history: dict[str, list[tuple[int, float]]], path: Path, title: str = "") -> Path | None:
