@@ -63,7 +63,12 @@ class VitClassifier(PythonModel):
         import pandas as pd
         import torch
 
-        images = model_input["image"] if isinstance(model_input, (dict, pd.DataFrame)) else model_input
+        column = model_input["image"] if isinstance(model_input, (dict, pd.DataFrame)) else model_input
+        images = []
+        for entry in column:  # MLflow makes {"image": [text, ...]} one row holding the list
+            several = (isinstance(entry, np.ndarray) and entry.dtype == object) or (
+                isinstance(entry, list) and bool(entry) and isinstance(entry[0], (str, bytes, np.ndarray)))
+            images.extend(entry if several else [entry])
         x = torch.from_numpy(np.stack([self.pixels(im) for im in images]))
         with torch.inference_mode():
             out = self.model(x).float()

@@ -2,6 +2,7 @@
 preprocessing, on a real sqlite store and real photographs."""
 from __future__ import annotations
 
+import base64
 import io
 
 import mlflow
@@ -74,6 +75,9 @@ def test_the_model_has_a_signature_names_its_classes_and_preprocesses_as_the_eva
     import pandas as pd
 
     np.testing.assert_allclose(loaded.predict(pd.DataFrame({"image": files})).to_numpy(), expected, atol=1e-6)
+    # And as base64 text, the form bytes take in the JSON a served model receives.
+    text = [base64.b64encode(f).decode("ascii") for f in files]
+    np.testing.assert_allclose(loaded.predict({"image": text}).to_numpy(), expected, atol=1e-6)
 
 
 def test_a_multi_label_model_gives_sigmoids_names_classes_by_index_and_refuses_a_bad_array(tmp_path, photos,

@@ -90,7 +90,7 @@ def test_step_resume_gives_the_uninterrupted_parameters(shards, tmp_path, mlflow
     assert json.loads(version.tags["vitscale.model_config"])["depth"] == 1
     # The registered version is the run's MLflow model: it loads (no pickle) and predicts.
     registered = mlflow.pyfunc.load_model(f"models:/tiny-test/{version.version}")
-    assert registered.predict(np.zeros((2, 40, 40, 3), dtype=np.uint8)).shape[0] == 2
+    assert registered.predict({"image": list(np.zeros((2, 40, 40, 3), dtype=np.uint8))}).shape[0] == 2
     # The curves plot has the few-shot accuracy panel's data, and the model its lineage record.
     assert "plots/pretrain_curves.png" in {f.path for f in client.list_artifacts(run.info.run_id, "plots")}
     assert json.loads((tmp_path / "whole" / "lineage.json").read_text())["run_id"] == run.info.run_id
