@@ -23,6 +23,7 @@ import mlflow
 import numpy as np
 from mlflow.pyfunc import PythonModel
 
+
 class VitClassifier(PythonModel):
     # The ``image`` column holds bytes or arrays, which a type hint cannot say; without this MLflow
     # warns about the missing hint on every import. The logged signature is the contract.

@@ -42,6 +42,7 @@ from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_h
 from training import run_artifacts
 
 DEFAULT_EPOCHS = 10
+DEFAULT_DROPOUT = 0.1
 SUMMARY = "pretrain_summary.json"
 # The run that --output holds, written before Ray starts: a re-run without --run-name resumes it.
 RUN_RECORD = "pretrain_run.json"
@@ -53,7 +54,7 @@ class PretrainConfig:
 
     data: str = field(metadata={"recipe": False, "help": "shard directory written by jobs/prepare.py (holds manifest.json)"})
     output: str = field(default="pretrain_output", metadata={"recipe": False, "help": "directory for the final model, summary and (by default) Ray Train state"})
-    variant: str = field(default="Ti/16", metadata={"help": "vitcore variant, e.g. Ti/16, S/16, B/16, R50+B/16"})
+    variant: str = field(default="Ti/16", metadata={"help": "vitcore variant, e.g. Ti/16, S/16, B/16, R50+B/16, or a BiT ResNet, e.g. BiT-R50x1"})
     img_size: int = field(default=224, metadata={"help": "training resolution in pixels"})
     depth: int | None = field(default=None, metadata={"help": "override the variant's number of blocks"})
     width: int | None = field(default=None, metadata={"help": "override the variant's hidden size"})
@@ -74,7 +75,7 @@ class PretrainConfig:
     warmup_steps: int = field(default=10_000, metadata={"help": "linear warm-up steps; capped at 10% of training"})
     schedule: Literal["linear", "cosine"] = field(default="linear", metadata={"help": "decay after warm-up"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
-    dropout: float = field(default=0.1, metadata={"help": "dropout after dense layers (Appendix B.1)"})
+    dropout: float = field(default=DEFAULT_DROPOUT, metadata={"help": "dropout after dense layers (Appendix B.1); a BiT ResNet has none"})
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
     loader: Literal["shards", "ray_data"] = field(
         default="shards",
@@ -127,14 +128,12 @@ class PretrainConfig:
         check(self.microbatch is None or per_worker % self.microbatch == 0, "microbatch",
               f"{self.microbatch} does not divide the per-worker batch {per_worker} "
               f"(batch_size {self.batch_size} / {self.num_workers} workers); pick a divisor of {per_worker}")
-        from vitcore.variants import decode_variant
+        from vitcore.variants import is_bit_variant
 
-        try:
-            patch = decode_variant(self.variant)["patch_size"]
-        except ValueError as exc:
-            raise ConfigError(f"variant: {exc}") from None
-        check(self.img_size % patch == 0, "img_size", f"{self.img_size} is not a multiple of the patch size {patch} "
-              f"of {self.variant}; use e.g. {patch * max(1, round(self.img_size / patch))}")
+        if is_bit_variant(self.variant):
+            self._check_resnet()
+        else:
+            self._check_vit()
         check(self.lr > 0, "lr", f"must be positive, got {self.lr}")
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
@@ -149,6 +148,36 @@ class PretrainConfig:
             check(self.loss == "softmax", "loss", "masked patch prediction uses a 512-way softmax; leave loss=softmax")
             check(not (self.strategy == "fsdp" and self.fewshot_every), "fewshot_every",
                   "few-shot evaluation of an FSDP-sharded MPP backbone is not supported; use --strategy ddp")
+
+    def _check_vit(self) -> None:
+        from vitcore.variants import decode_variant
+
+        try:
+            patch = decode_variant(self.variant)["patch_size"]
+        except ValueError as exc:
+            raise ConfigError(f"variant: {exc}") from None
+        check(self.img_size % patch == 0, "img_size", f"{self.img_size} is not a multiple of the patch size {patch} "
+              f"of {self.variant}; use e.g. {patch * max(1, round(self.img_size / patch))}")
+
+    def _check_resnet(self) -> None:
+        """A BiT ResNet (the paper's baseline): none of a ViT's knobs. Its pre-training head is one
+        dense layer on the pooled features, as BiT's; the ViT default dropout becomes none."""
+        from vitcore.variants import decode_bit_variant
+
+        try:
+            decode_bit_variant(self.variant)
+        except ValueError as exc:
+            raise ConfigError(f"variant: {exc}") from None
+        for name in ("depth", "width", "mlp_dim", "num_heads"):
+            check(getattr(self, name) is None, name, f"sets a ViT's {name}; {self.variant} is a BiT ResNet, whose "
+                  f"size is in its name (e.g. BiT-R50x1): drop --{name.replace('_', '-')}")
+        if self.dropout == DEFAULT_DROPOUT:
+            self.dropout = 0.0
+        check(self.dropout == 0, "dropout", f"{self.variant} is a BiT ResNet, which has no dropout; leave out --dropout")
+        check(self.objective == "classification", "objective", f"masked patch prediction needs patches; "
+              f"{self.variant} is a BiT ResNet: use --objective classification or a ViT --variant")
+        check(self.strategy == "ddp", "strategy", f"FSDP here shards a ViT's blocks; train {self.variant} with "
+              "--strategy ddp")
 
     @property
     def microbatch_size(self) -> int:
@@ -262,26 +291,37 @@ def _storage(cfg: PretrainConfig, output: Path) -> tuple[str, Any]:
     return path, fs
 
 
-def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) -> list[Path]:
-    """vitcore's inspection figures of the trained model (Section 4.5): filter PCs, position-
-    embedding similarity and mean attention distance, the last on a few training images."""
+def _images(cfg: PretrainConfig) -> Any:
+    """A few training images through the evaluation transform, for the attention-distance figure."""
     import torch
 
-    import vitcore
     from training.data import ShardImageDataset, eval_transform
 
-    model = vitcore.load_checkpoint(model_path)
-    figures = []
-    if model.config.resnet_layers is None:
-        vitcore.embedding_filter_pcs(model, path=out_dir / "embedding_filters.png")
-        figures.append(out_dir / "embedding_filters.png")
-    if model.config.posemb in ("learn", "sincos2d", "2d"):
-        vitcore.position_embedding_similarity(model, path=out_dir / "position_embedding_similarity.png")
-        figures.append(out_dir / "position_embedding_similarity.png")
     ds = ShardImageDataset(cfg.data, eval_transform(cfg.img_size))
-    images = torch.stack([ds[i][0] for i in range(min(8, len(ds)))])
-    vitcore.mean_attention_distance(model, images, path=out_dir / "mean_attention_distance.png")
-    figures.append(out_dir / "mean_attention_distance.png")
+    return torch.stack([ds[i][0] for i in range(min(8, len(ds)))])
+
+
+def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) -> list[Path]:
+    """vitcore's inspection figures of the trained model (Section 4.5): filter PCs, position-
+    embedding similarity and mean attention distance, the last on a few training images. A figure
+    for a part the model lacks (``model.lacks``: a BiT ResNet has none of the three) is skipped in one line."""
+    import vitcore
+
+    model = vitcore.load_checkpoint(model_path)
+    draw = {"embedding_filters": lambda path: vitcore.embedding_filter_pcs(model, path=path),
+            "position_embedding_similarity": lambda path: vitcore.position_embedding_similarity(model, path=path),
+            "mean_attention_distance": lambda path: vitcore.mean_attention_distance(model, _images(cfg), path=path)}
+    needs = {"embedding_filters": "embedding_filters", "position_embedding_similarity": "position_embeddings",
+             "mean_attention_distance": "attention"}
+    skipped = [name for name in draw if needs[name] in model.lacks]
+    if skipped:
+        print(f"pretrain: no {', '.join(n.replace('_', ' ') for n in skipped)} figure for {cfg.variant}: it has no "
+              f"{', '.join(sorted(needs[n].replace('_', ' ') for n in skipped))}", file=sys.stderr)
+    figures = []
+    for name, fn in draw.items():
+        if name not in skipped:
+            fn(out_dir / f"{name}.png")
+            figures.append(out_dir / f"{name}.png")
     return figures
 
 

@@ -53,7 +53,7 @@ from training.loop import (
 )
 from training.metrics import MetricsSink
 from training.step import adamw, compile_mode, compile_model
-from vitcore.variants import decode_variant
+from vitcore.variants import decode_variant, is_bit_variant
 
 
 class Trainer:
@@ -104,16 +104,19 @@ class Trainer:
     def _build_model(self, num_classes: int) -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
         """(the ViT, the module DDP or FSDP wraps, the module that trains: the wrapper, compiled or not)."""
         cfg = self.cfg
+        # The official i21k recipe: head bias -10 so every sigmoid starts near zero.
+        head = {"head_bias_init": -10.0 if cfg.loss == "sigmoid" else 0.0}
+        if not is_bit_variant(cfg.variant):
+            # Pre-training head: one tanh hidden layer as wide as the model (Section 3.1); a BiT
+            # ResNet has one dense layer on its pooled features, and no dropout.
+            head.update(representation_size=None if self.mpp else cfg.width or decode_variant(cfg.variant)["width"],
+                        dropout=cfg.dropout)
         model = vitcore.create_model(
             cfg.variant,
             # MPP predicts per-patch colours with its own head; the class head is not used.
             num_classes=0 if self.mpp else num_classes,
             img_size=cfg.img_size,
-            # Pre-training head: one tanh hidden layer as wide as the model (Section 3.1).
-            representation_size=None if self.mpp else cfg.width or decode_variant(cfg.variant)["width"],
-            dropout=cfg.dropout,
-            # The official i21k recipe: head bias -10 so every sigmoid starts near zero.
-            head_bias_init=-10.0 if cfg.loss == "sigmoid" else 0.0,
+            **head,
             **model_options(cfg),
         )
         trainable = vitcore.MaskedPatchPrediction(model) if self.mpp else model
