@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import signal
+import sys
 import time
 from typing import Any, Mapping
 
@@ -40,7 +41,7 @@ from pipelines.accounting import MAX_ATTEMPTS, AccountingError, run_metrics, sum
 from pipelines.config import PrepareConfig, PrepareError
 from pipelines.graph import build_pipeline
 from pipelines.output import OutputFolder
-from pipelines.sources import SourceError, Unit, plan
+from pipelines.sources import SourceError, Unit, detect_format, plan
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,20 @@ def _inside(child: str, parent: str) -> bool:
     return c == p or c.startswith(p.rstrip("/") + "/")
 
 
-def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
-    """Every input's units, or a PrepareError naming the input that has none or cannot be read."""
+def _plan_source(src: str, cfg: PrepareConfig, chosen: list[str]) -> list[Unit]:
+    """The units of one input, read as ``--format``; with ``auto``, the line that says which reader was chosen."""
+    fmt = cfg.format
+    if fmt == "auto":
+        fmt = detect_format(src)
+        chosen.append(f"prepare: {src}: read as {fmt} (auto; name another with --format)")
+    return plan(src, fmt=fmt, options=cfg.plan_options())
+
+
+def plan_inputs(cfg: PrepareConfig, chosen: list[str] | None = None) -> list[Unit]:
+    """Every input's units, or a PrepareError naming the input that has none or cannot be read.
+
+    With ``--format auto``, a line per input naming the reader it was given is added to ``chosen``.
+    """
     runners.check_process_local(cfg)
     for src in cfg.input:
         if _inside(cfg.output, src):
@@ -87,7 +100,7 @@ def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
     units: list[Unit] = []
     for src in cfg.input:
         try:
-            found = plan(src)
+            found = _plan_source(src, cfg, [] if chosen is None else chosen)
         except SourceError as exc:
             raise PrepareError(f"input: {exc}") from None
         if not found:
@@ -249,7 +262,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     """
     from pipelines.testsets import check_sources
 
-    units = plan_inputs(cfg)
+    chosen: list[str] = []
+    units = plan_inputs(cfg, chosen)
     cluster_workers = runners.check_dask(cfg)
     label_map = load_label_map(cfg.label_map) if cfg.label_map else None
     test_sets = cfg.test_sets()
@@ -261,6 +275,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             runners.engine(cfg, cluster_workers) as engine, \
             tracking.start_run("prepare", params=params, parent_run_id=cfg.parent_run_id,
                                run_name=f"prepare {_set_name(cfg.output)}", tags=tracking.run_tags(cfg)) as run:
+        for line in chosen:  # said once the run is sure to start, so that a refusal stays one line
+            print(line, file=sys.stderr)
         fs, root = folder.fs, folder.root
         staging.clean_leftovers(fs, root)
         plan_dir = staging.new_folder(fs, root, "plan")

@@ -45,7 +45,7 @@ def unit(url: str, path: str, labels: tuple[str, ...] = ()) -> Unit:
     return Unit("tar", (url,), (labels or (_stem(path),),))
 
 
-def _plan(source: str, fs, path: str, files_per_unit: int) -> list[Unit]:
+def _plan(source: str, fs, path: str, files_per_unit: int, options=None) -> list[Unit]:
     return [unit(fs.unstrip_protocol(path), path)]
 
 
