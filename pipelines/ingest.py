@@ -41,7 +41,7 @@ from pipelines.accounting import MAX_ATTEMPTS, AccountingError, run_metrics, sum
 from pipelines.config import PrepareConfig, PrepareError
 from pipelines.graph import build_pipeline
 from pipelines.output import OutputFolder
-from pipelines.sources import SourceError, Unit, detect_format, plan
+from pipelines.sources import SourceError, Unit, detect_format, hf_parquet, plan
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,12 @@ def load_label_map(path: str) -> dict[str, int]:
     if len(set(data.values())) != len(data):
         raise PrepareError(f"label_map: {path} gives the same id to several names")
     return {str(k): int(v) for k, v in data.items()}
+
+
+def declared_label_map(units: list[Unit]) -> dict[str, int] | None:
+    """The ids a source declares for its classes (Hugging Face ``ClassLabel`` names, in order), or None."""
+    names = hf_parquet.class_names(units)
+    return {name: i for i, name in enumerate(names)} if names else None
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -265,7 +271,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     chosen: list[str] = []
     units = plan_inputs(cfg, chosen)
     cluster_workers = runners.check_dask(cfg)
-    label_map = load_label_map(cfg.label_map) if cfg.label_map else None
+    label_map = load_label_map(cfg.label_map) if cfg.label_map else declared_label_map(units)
     test_sets = cfg.test_sets()
     check_sources(test_sets)
     cfg = _open_output(cfg)

@@ -6,6 +6,8 @@ first whose ``detect`` accepts the source reads it, in this order:
 * a **shard set** (:mod:`~pipelines.sources.shard_set`): a folder with ``manifest.json``;
 * **WebDataset shards** (:mod:`~pipelines.sources.webdataset`): a tar, or a folder of tars, whose
   members pair an image with sidecars by key; also any brace pattern or ``::`` list of archives;
+* **Hugging Face Parquet** (:mod:`~pipelines.sources.hf_parquet`): files, or a folder of them,
+  whose rows hold the images (a ``datasets`` ``Image`` column);
 * an **image folder tree** (:mod:`~pipelines.sources.folder`), tar archives in it included;
 * a **tar archive** (:mod:`~pipelines.sources.tar`);
 * a **manifest** (:mod:`~pipelines.sources.manifest`): CSV, JSONL or Parquet rows naming files;
@@ -30,7 +32,7 @@ from typing import Iterator
 
 from common.fs import url_to_fs
 from pipelines.schema import text_uri
-from pipelines.sources import files, folder, manifest, shard_set, tar, webdataset
+from pipelines.sources import files, folder, hf_parquet, manifest, shard_set, tar, webdataset
 from pipelines.sources.base import (
     DEFAULT_MAX_BYTES,
     FILES_PER_UNIT,
@@ -45,6 +47,7 @@ from pipelines.sources.base import (
 READERS: dict[str, Reader] = {r.name: r for r in (
     shard_set.READER,
     webdataset.READER,
+    hf_parquet.READER,
     folder.READER, tar.READER, manifest.READER, files.READER,
 )}
 
