@@ -89,8 +89,9 @@ class PrepareConfig:
     )
     label_map: str | None = dataclasses.field(
         default=None,
-        metadata={"help": "JSON file of label name -> id (or a list of names, id = position); items with other "
-                          "labels are quarantined. Default: sorted names seen in the corpus"},
+        metadata={"help": "class names in id order, one a line (or JSON: a list of names, or name -> id); an integer "
+                          "label that is not a name in it is the id of one; items with other labels are quarantined. "
+                          "Default: the names seen, sorted (integers by value), or a Parquet file's ClassLabel names"},
     )
     # -- how a source is read: its format, and what its files leave unsaid --
     format: str = dataclasses.field(
