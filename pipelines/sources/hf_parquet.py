@@ -76,10 +76,13 @@ def _detect(fs, path: str) -> bool:
     try:
         if not fs.isdir(path):
             return has_suffix(path, (".parquet",)) and _readable_as_images(_schema(fs, path))
-        files = _parquet_files(fs, path)
-        if not files or any(has_suffix(p, _NOT_PARQUET) for p in fs.find(path)):
-            return False
-        return _readable_as_images(_schema(fs, files[0]))
+        first = None
+        for top, _, names in fs.walk(path):  # stops at the first image: an image tree is not listed twice
+            if any(has_suffix(n, _NOT_PARQUET) for n in names):
+                return False
+            found = sorted(n for n in names if n.lower().endswith(".parquet"))
+            first = first or (f"{top}/{found[0]}" if found else None)
+        return first is not None and _readable_as_images(_schema(fs, first))
     except Exception:  # noqa: BLE001 - a file that cannot be read is another reader's to refuse
         return False
 
@@ -194,5 +197,4 @@ def _expand(unit: Unit, max_bytes: int | None = None,
             f"{url}: row group {unit.index} unreadable ({type(exc).__name__}: {exc}); the rest of it is skipped")))
 
 
-READER = Reader(NAME, detect=_detect, plan=_plan, expand=_expand,
-                known_items=lambda unit: None)
+READER = Reader(NAME, detect=_detect, plan=_plan, expand=_expand)
