@@ -12,6 +12,7 @@ Units are row groups, read one at a time: memory follows a row group, not the fi
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 from typing import Iterator
@@ -20,6 +21,7 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from common.fs import local_target
 from pipelines.schema import text_uri
 from pipelines.sources import tar
 from pipelines.sources.base import (
@@ -183,8 +185,10 @@ def _expand(unit: Unit, max_bytes: int | None = None,
     if refused is not None:
         yield refused
         return
+    local = local_target(url) if "::" not in url else None
     try:
-        with fsspec.open(url, "rb") as f:
+        # A local file through Arrow's own reader: no Python file object between it and the pages.
+        with (contextlib.nullcontext(local) if local is not None else fsspec.open(url, "rb")) as f:
             pf = pq.ParquetFile(f)
             row = sum(pf.metadata.row_group(g).num_rows for g in range(unit.index))
             columns = [image] + ([label] if label else [])
