@@ -5,7 +5,8 @@ of its base name (``000123.jpg``, ``000123.cls``, ``000123.json``), as the ``web
 groups them. Its image is the ``jpg``, ``jpeg``, ``png`` or ``webp`` member; its label is the
 integer in ``.cls``, or, when the sample has none or ``--label-key`` names one, that field of
 ``.json`` (default ``label``). A negative class id (the convention for "no label") leaves the sample
-unlabelled. Sidecars are never items: a sample is one input, and one without an image is
+unlabelled; so does a sample with neither, unless ``--label-key`` was given (then it is
+``bad_label``: a field the command names and the sample lacks is a mistake, not a missing label). Sidecars are never items: a sample is one input, and one without an image is
 quarantined as ``sample_without_image``.
 
 A source is one shard, a folder of them (split by timm's ``_info.json`` when it has one), a brace
@@ -174,11 +175,18 @@ def _label_of(members: dict[str, bytes], label_key: str | None, where: str) -> t
                                         "put names in a .json sidecar and pass --label-key FIELD")
         return () if int(text) < 0 else (str(int(text)),)
     if "json" not in members:
+        if label_key is not None:
+            raise BadImage("bad_label", f"{where} has no .json sidecar to take --label-key {label_key!r} from")
         return ()
     try:
         meta = json.loads(members["json"])
     except ValueError as exc:
         raise BadImage("bad_label", f"{where}.json is not valid JSON ({exc})") from None
+    if label_key is not None and not (isinstance(meta, dict) and label_key in meta):
+        # A named field that is missing is a mistake in the command, not an unlabelled sample.
+        fields = ", ".join(map(str, meta)) if isinstance(meta, dict) else type(meta).__name__
+        raise BadImage("bad_label", f"{where}.json has no field {label_key!r} (it has: {fields}); "
+                                    "pass one of them as --label-key")
     value = meta.get(label_key or DEFAULT_LABEL_KEY) if isinstance(meta, dict) else None
     values = value if isinstance(value, list) else [value]
     if any(isinstance(v, (bool, float, dict, list)) for v in values):

@@ -76,7 +76,8 @@ def test_prepare_keeps_the_datasets_ids_and_counts(tmp_path, images, prepare):
     # ClassLabel order, not name order: goldfish stays 1 though "goldfish" sorts first.
     labels = [i % 3 for i in range(9)]
     _hf_file(tmp_path / "ds" / "train-00000-of-00001.parquet", images, labels)
-    manifest = prepare(input=[str(tmp_path / "ds")], output=str(tmp_path / "out"), size=32, min_short_side=0)
+    manifest = prepare(input=[str(tmp_path / "ds")], output=str(tmp_path / "out"), size=32, min_short_side=0,
+                       format="hf-parquet", split="train")
     assert manifest["label_map"] == {"tench": 0, "goldfish": 1, "shark": 2}
     assert (manifest["counts"]["inputs"], manifest["counts"]["written"]) == (9, 9)
     shards = ShardSet(tmp_path / "out")

@@ -65,6 +65,9 @@ def test_json_labels_by_default_and_by_label_key(tmp_path, images):
     from pipelines.sources import expand
 
     assert [it.labels for it in expand(units[0])] == [("cat",), ("dog",), ("cat",), ("dog",)]
+    (typo,) = plan(str(shard), options=PlanOptions(label_key="nmae"))
+    assert {it.error[0] for it in expand(typo)} == {"bad_label"}
+    assert "has no field 'nmae' (it has: label, name); pass one of them as --label-key" in next(expand(typo)).error[1]
 
 
 def test_sidecars_are_not_items_and_a_sample_without_an_image_is_quarantined(tmp_path, images):
