@@ -40,6 +40,7 @@ from pipelines import direct_runner, runners, schema, staging, worker_counts
 from pipelines.accounting import MAX_ATTEMPTS, AccountingError, run_metrics, summarise
 from pipelines.config import PrepareConfig, PrepareError
 from pipelines.graph import build_pipeline
+from pipelines.labels import renumbered
 from pipelines.output import OutputFolder
 from pipelines.sources import SourceError, Unit, detect_format, hf_parquet, plan
 
@@ -74,6 +75,16 @@ def declared_label_map(units: list[Unit]) -> dict[str, int] | None:
     """The ids a source declares for its classes (Hugging Face ``ClassLabel`` names, in order), or None."""
     names = hf_parquet.class_names(units)
     return {name: i for i, name in enumerate(names)} if names else None
+
+
+def _warn_renumbered(default_map: dict[str, int]) -> None:
+    """Says when class ids given as integers got other ids, because some id had no image."""
+    moved = renumbered(default_map)
+    if moved:
+        log.warning("prepare: the integer labels %s got the ids %s, since some class ids have no images; "
+                    "pass --label-map FILE (the class names in id order) to keep each id",
+                    ", ".join(moved[:5]) + (", ..." if len(moved) > 5 else ""),
+                    ", ".join(str(default_map[n]) for n in moved[:5]) + (", ..." if len(moved) > 5 else ""))
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -295,6 +306,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         summary, folder_of_run, p = _reconciled(job)
         wall = time.perf_counter() - t0
         manifest, quarantine, duplicates = summary
+        _warn_renumbered(manifest["label_map"] if label_map is None else {})
         manifest["mlflow_run_id"] = run.info.run_id
         manifest["config"] = params
 

@@ -29,3 +29,10 @@ def names_by_id(label_map: Mapping[str, int]) -> dict[str, str]:
 def resolve(labels: tuple[str, ...], label_map: Mapping[str, int], by_id: Mapping[str, str]) -> tuple[str, ...]:
     """``labels`` with each integer that is not a name of ``label_map`` replaced by the name of that id."""
     return tuple(by_id.get(str(int(n)), n) if n not in label_map and _INT.fullmatch(n) else n for n in labels)
+
+
+def renumbered(label_map: Mapping[str, int]) -> list[str]:
+    """The integer names of a default label map whose id is not their value (a class id with no images before them)."""
+    if not label_map or not all(_INT.fullmatch(n) for n in label_map):
+        return []
+    return [n for n, i in sorted(label_map.items(), key=lambda kv: kv[1]) if int(n) != i]
