@@ -45,6 +45,13 @@ loop pay it in full. ``bytes_per_pixel`` is reported with every result.
     python benchmarks/ingest.py [--size 384] [--n 16] [--repeats 5] [--megapixels 2 4 8]
                                 [--corpus grain mosaic]
 
+With ``--readers``, the same mosaic photos are written as an image folder tree, WebDataset
+shards and a Hugging Face Parquet file, and each source is read and processed whole through
+:func:`pipelines.sources.iter_items` and :func:`~pipelines.process.process_item`; the figure is
+each reader's images per second per core and its ratio to the folder reader's.
+
+    python benchmarks/ingest.py --readers [--n 16] [--megapixels 2] [--repeats 3]
+
 The last line printed is one JSON object.
 """
 from __future__ import annotations
@@ -204,6 +211,58 @@ def bench(datas: list[bytes], size: int, repeats: int) -> dict:
     }
 
 
+# -- readers: the same photos in each on-disk format -------------------------------------------
+
+def write_formats(datas: list[bytes], root: str) -> dict[str, str]:
+    """``datas`` as a folder tree, WebDataset shards and a Hugging Face Parquet file under ``root``; their sources."""
+    import tarfile
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for i, d in enumerate(datas):
+        os.makedirs(f"{root}/folder/c{i % 4}", exist_ok=True)
+        with open(f"{root}/folder/c{i % 4}/{i:06d}.jpg", "wb") as f:
+            f.write(d)
+    os.makedirs(f"{root}/wds", exist_ok=True)
+    with tarfile.open(f"{root}/wds/shard-000000.tar", "w") as tf:
+        for i, d in enumerate(datas):
+            for ext, data in (("jpg", d), ("cls", str(i % 4).encode())):
+                info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+    features = {"image": {"_type": "Image"}, "label": {"names": ["c0", "c1", "c2", "c3"], "_type": "ClassLabel"}}
+    table = pa.table({"image": [{"bytes": d, "path": f"{i}.jpg"} for i, d in enumerate(datas)],
+                      "label": [i % 4 for i in range(len(datas))]})
+    table = table.replace_schema_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    pq.write_table(table, f"{root}/train-00000-of-00001.parquet", row_group_size=100)
+    return {"folder": f"{root}/folder", "webdataset": f"{root}/wds",
+            "hf_parquet": f"{root}/train-00000-of-00001.parquet"}
+
+
+def bench_readers(datas: list[bytes], size: int, repeats: int) -> dict:
+    """Images per second per core of reading and processing each format's copy of ``datas``, best of ``repeats``."""
+    import tempfile
+
+    from pipelines.sources import iter_items
+
+    opts = ProcessOptions(size=size, max_megapixels=1000)
+    with tempfile.TemporaryDirectory() as root:
+        sources = write_formats(datas, root)
+        best = {name: float("inf") for name in sources}
+        for src in sources.values():  # warm-up: imports, decoders, page cache
+            process_item(next(iter_items(src)), opts)
+        for _ in range(repeats):  # interleaved: a shared machine slows all of them alike
+            for name, src in sources.items():
+                t = time.process_time()
+                rows = [process_item(item, opts) for item in iter_items(src)]
+                best[name] = min(best[name], time.process_time() - t)
+                assert len(rows) == len(datas) and all(r["_t"] == "record" for r in rows), name
+    rate = {name: len(datas) / v for name, v in best.items()}
+    return {**{f"{name}_img_s_per_core": round(r, 2) for name, r in rate.items()},
+            **{f"{name}_ratio_to_folder": round(r / rate["folder"], 3) for name, r in rate.items() if name != "folder"}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=384)
@@ -211,7 +270,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--megapixels", type=float, nargs="+", default=[2.0, 4.0, 8.0])
     ap.add_argument("--corpus", nargs="+", choices=sorted(CORPORA), default=["grain", "mosaic"])
+    ap.add_argument("--readers", action="store_true",
+                    help="time the folder, WebDataset and Hugging Face Parquet readers on the same mosaic photos")
     args = ap.parse_args()
+    if args.readers:
+        results = {f"{mp:g}MP": bench_readers(make_mosaics(args.n, mp), args.size, args.repeats)
+                   for mp in args.megapixels}
+        print(json.dumps({"benchmark": "ingest_readers", "size": args.size, "n": args.n,
+                          "figure": "img_s_per_core", "baseline": "folder_img_s_per_core", "results": results,
+                          "machine": machine.describe()}))
+        return
 
     results: dict[str, dict] = {}
     for corpus in args.corpus:

@@ -89,8 +89,25 @@ class PrepareConfig:
     )
     label_map: str | None = dataclasses.field(
         default=None,
-        metadata={"help": "JSON file of label name -> id (or a list of names, id = position); items with other "
-                          "labels are quarantined. Default: sorted names seen in the corpus"},
+        metadata={"help": "class names in id order, one a line (or JSON: a list of names, or name -> id); an integer "
+                          "label that is not a name in it is the id of one; items with other labels are quarantined. "
+                          "Default: the names seen, sorted (integers by value), or a Parquet file's ClassLabel names"},
+    )
+    # -- how a source is read: its format, and what its files leave unsaid --
+    format: str = dataclasses.field(
+        default="auto",
+        metadata={"help": "how to read every --input: auto (decided from its content, and said in one line), or "
+                          "one of the readers: folder, tar, webdataset, hf_parquet, manifest, shard_set, files"},
+    )
+    label_key: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "where a sample's label is: the .json field of a WebDataset sample (default: its .cls, else "
+                          "the field 'label'), or the label column of a Hugging Face Parquet file (default 'label')"},
+    )
+    split: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "the split to read from a WebDataset folder with an _info.json, or a Hugging Face Parquet "
+                          "folder holding train-*.parquet and validation-*.parquet"},
     )
     runner: str = dataclasses.field(
         default="DirectRunner",
@@ -148,11 +165,27 @@ class PrepareConfig:
         check(not (self.runner == "dask" and self.isolate_decoder), "isolate_decoder",
               "is not supported with --runner dask: it needs Beam's dead-letter output, which Beam's DaskRunner "
               "routes wrongly (pipelines/dask_runner.py); leave it off or use the DirectRunner")
+        self.check_format()
         for root in self.allowed_roots:
             check(isinstance(root, str) and bool(root.strip()) and not root.startswith("-"), "allowed_roots",
                   f"{root!r}: expected a folder or URL prefix")
         for opt in self.beam_options:
             check(opt.startswith("--"), "beam_options", f"{opt!r}: expected --name=value")
+
+    def check_format(self) -> None:
+        from pipelines.sources import READERS
+
+        check(self.format == "auto" or self.format.replace("-", "_") in READERS, "format",
+              f"{self.format!r} is not a format prepare reads; use auto or one of {', '.join(READERS)}")
+        for name in ("label_key", "split"):
+            value = getattr(self, name)
+            check(value is None or (isinstance(value, str) and bool(value.strip())), name, "must not be empty")
+
+    def plan_options(self):
+        """What ``--label-key`` and ``--split`` tell the readers (:class:`pipelines.sources.PlanOptions`)."""
+        from pipelines.sources import PlanOptions
+
+        return PlanOptions(label_key=self.label_key, split=self.split)
 
     def roots(self) -> tuple[str, ...] | None:
         """``allowed_roots`` normalised for :func:`common.fs.within_roots`, or None (no restriction)."""

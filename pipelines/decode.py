@@ -49,11 +49,13 @@ REASONS = (
     "truncated",  # the file ends before the image data does
     "corrupt",  # a known image format whose data cannot be decoded
     "not_an_image",  # no image signature at all (text, HTML error pages, ...)
+    "sample_without_image",  # a WebDataset sample (members sharing a key) with no image member
     "unsupported_format",  # an image, but not one of ALLOWED_FORMATS
     "decompression_bomb",  # more pixels than max_megapixels
     "too_large",  # a file of more bytes than max_file_mb, not read beyond that
     "too_small",  # shorter side below min_short_side
     "unknown_label",  # a label that the given label map does not list
+    "bad_label",  # a label sidecar or column that holds no class (a .cls that is not an integer)
     "unreadable",  # the source could not be read (missing file, bad archive member)
     "not_a_regular_file",  # a FIFO, device, socket or /proc entry: refused from its stat, never opened
     "outside_allowed_roots",  # --allowed-roots is set and the item (its real path) lies under none of them

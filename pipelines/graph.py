@@ -28,6 +28,7 @@ from typing import Any, Iterator, Mapping
 
 from pipelines import shard_writer, staging, worker_counts
 from pipelines.config import NAMESPACE, PrepareConfig
+from pipelines.labels import default_label_map
 from pipelines.process import ProcessOptions, process_item, reject
 from pipelines.sources import Unit, expand
 
@@ -208,7 +209,8 @@ def _match(p, records, index, progress_dir: str | None) -> tuple[Any, list]:
 
 
 def _labels(p, records, label_map: Mapping[str, int] | None):
-    """A one-element PCollection: the given label map, else ids for every label name in sorted order."""
+    """A one-element PCollection: the given label map, else ids for every label name in sorted order
+    (:func:`pipelines.labels.default_label_map`: integers by value)."""
     import apache_beam as beam
 
     if label_map is not None:
@@ -220,7 +222,7 @@ def _labels(p, records, label_map: Mapping[str, int] | None):
         | "LabelNames" >> beam.FlatMap(lambda r: r["labels"])
         | "DistinctLabels" >> beam.Distinct()
         | "SortLabels" >> beam.combiners.ToList()
-        | "LabelIds" >> beam.Map(lambda names: {n: i for i, n in enumerate(sorted(names))})
+        | "LabelIds" >> beam.Map(default_label_map)
     )
 
 

@@ -23,6 +23,7 @@ import json
 import logging
 import re
 import signal
+import sys
 import time
 from typing import Any, Mapping
 
@@ -39,8 +40,9 @@ from pipelines import direct_runner, runners, schema, staging, worker_counts
 from pipelines.accounting import MAX_ATTEMPTS, AccountingError, run_metrics, summarise
 from pipelines.config import PrepareConfig, PrepareError
 from pipelines.graph import build_pipeline
+from pipelines.labels import renumbered
 from pipelines.output import OutputFolder
-from pipelines.sources import SourceError, Unit, plan
+from pipelines.sources import SourceError, Unit, detect_format, hf_parquet, plan
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,22 @@ def load_label_map(path: str) -> dict[str, int]:
     return {str(k): int(v) for k, v in data.items()}
 
 
+def declared_label_map(units: list[Unit]) -> dict[str, int] | None:
+    """The ids a source declares for its classes (Hugging Face ``ClassLabel`` names, in order), or None."""
+    names = hf_parquet.class_names(units)
+    return {name: i for i, name in enumerate(names)} if names else None
+
+
+def _warn_renumbered(default_map: dict[str, int]) -> None:
+    """Says when class ids given as integers got other ids, because some id had no image."""
+    moved = renumbered(default_map)
+    if moved:
+        log.warning("prepare: the integer labels %s got the ids %s, since some class ids have no images; "
+                    "pass --label-map FILE (the class names in id order) to keep each id",
+                    ", ".join(moved[:5]) + (", ..." if len(moved) > 5 else ""),
+                    ", ".join(str(default_map[n]) for n in moved[:5]) + (", ..." if len(moved) > 5 else ""))
+
+
 def _inside(child: str, parent: str) -> bool:
     fc, pc = url_to_fs(child)
     fp, pp = url_to_fs(parent)
@@ -76,8 +94,20 @@ def _inside(child: str, parent: str) -> bool:
     return c == p or c.startswith(p.rstrip("/") + "/")
 
 
-def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
-    """Every input's units, or a PrepareError naming the input that has none or cannot be read."""
+def _plan_source(src: str, cfg: PrepareConfig, chosen: list[str]) -> list[Unit]:
+    """The units of one input, read as ``--format``; with ``auto``, the line that says which reader was chosen."""
+    fmt = cfg.format
+    if fmt == "auto":
+        fmt = detect_format(src)
+        chosen.append(f"prepare: {src}: read as {fmt} (auto; name another with --format)")
+    return plan(src, fmt=fmt, options=cfg.plan_options())
+
+
+def plan_inputs(cfg: PrepareConfig, chosen: list[str] | None = None) -> list[Unit]:
+    """Every input's units, or a PrepareError naming the input that has none or cannot be read.
+
+    With ``--format auto``, a line per input naming the reader it was given is added to ``chosen``.
+    """
     runners.check_process_local(cfg)
     for src in cfg.input:
         if _inside(cfg.output, src):
@@ -87,7 +117,7 @@ def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
     units: list[Unit] = []
     for src in cfg.input:
         try:
-            found = plan(src)
+            found = _plan_source(src, cfg, [] if chosen is None else chosen)
         except SourceError as exc:
             raise PrepareError(f"input: {exc}") from None
         if not found:
@@ -249,9 +279,10 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     """
     from pipelines.testsets import check_sources
 
-    units = plan_inputs(cfg)
+    chosen: list[str] = []
+    units = plan_inputs(cfg, chosen)
     cluster_workers = runners.check_dask(cfg)
-    label_map = load_label_map(cfg.label_map) if cfg.label_map else None
+    label_map = load_label_map(cfg.label_map) if cfg.label_map else declared_label_map(units)
     test_sets = cfg.test_sets()
     check_sources(test_sets)
     cfg = _open_output(cfg)
@@ -261,6 +292,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             runners.engine(cfg, cluster_workers) as engine, \
             tracking.start_run("prepare", params=params, parent_run_id=cfg.parent_run_id,
                                run_name=f"prepare {_set_name(cfg.output)}", tags=tracking.run_tags(cfg)) as run:
+        for line in chosen:  # said once the run is sure to start, so that a refusal stays one line
+            print(line, file=sys.stderr)
         fs, root = folder.fs, folder.root
         staging.clean_leftovers(fs, root)
         plan_dir = staging.new_folder(fs, root, "plan")
@@ -273,6 +306,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         summary, folder_of_run, p = _reconciled(job)
         wall = time.perf_counter() - t0
         manifest, quarantine, duplicates = summary
+        _warn_renumbered(manifest["label_map"] if label_map is None else {})
         manifest["mlflow_run_id"] = run.info.run_id
         manifest["config"] = params
 

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 from PIL import Image
 
+from pipelines import labels as label_ids
 from pipelines.decode import BadImage, decode_image, rgbx_view
 from pipelines.schema import make_key, text_uri
 from pipelines.sources import SourceItem
@@ -29,6 +30,7 @@ class ProcessOptions:
     max_megapixels: float = 89.0
     min_short_side: int = 0
     label_map: Mapping[str, int] | None = None  # None: accept every label
+    names_by_id: Mapping[str, str] | None = None  # the label map's names by id, for integer labels
 
     @classmethod
     def from_config(cls, cfg, label_map: Mapping[str, int] | None) -> "ProcessOptions":
@@ -36,6 +38,7 @@ class ProcessOptions:
             size=cfg.size, max_long_side=cfg.max_long_side, upscale=cfg.upscale, quality=cfg.quality,
             store=cfg.store, max_megapixels=cfg.max_megapixels, min_short_side=cfg.min_short_side,
             label_map=dict(label_map) if label_map is not None else None,
+            names_by_id=label_ids.names_by_id(label_map) if label_map is not None else None,
         )
 
 
@@ -161,6 +164,7 @@ def process_item(item: SourceItem, opts: ProcessOptions) -> dict[str, Any]:
 
     try:
         if opts.label_map is not None:
+            item = dataclasses.replace(item, labels=label_ids.resolve(item.labels, opts.label_map, opts.names_by_id or {}))
             unknown = [name for name in item.labels if name not in opts.label_map]
             if unknown:
                 raise BadImage("unknown_label", f"{item.uri}: label(s) {unknown} not in the label map")

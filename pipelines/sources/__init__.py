@@ -4,6 +4,10 @@ A source is in one of the formats in :data:`READERS`, one module each; when none
 first whose ``detect`` accepts the source reads it, in this order:
 
 * a **shard set** (:mod:`~pipelines.sources.shard_set`): a folder with ``manifest.json``;
+* **WebDataset shards** (:mod:`~pipelines.sources.webdataset`): a tar, or a folder of tars, whose
+  members pair an image with sidecars by key; also any brace pattern or ``::`` list of archives;
+* **Hugging Face Parquet** (:mod:`~pipelines.sources.hf_parquet`): files, or a folder of them,
+  whose rows hold the images (a ``datasets`` ``Image`` column);
 * an **image folder tree** (:mod:`~pipelines.sources.folder`), tar archives in it included;
 * a **tar archive** (:mod:`~pipelines.sources.tar`);
 * a **manifest** (:mod:`~pipelines.sources.manifest`): CSV, JSONL or Parquet rows naming files;
@@ -28,35 +32,71 @@ from typing import Iterator
 
 from common.fs import url_to_fs
 from pipelines.schema import text_uri
-from pipelines.sources import files, folder, manifest, shard_set, tar
-from pipelines.sources.base import DEFAULT_MAX_BYTES, FILES_PER_UNIT, Reader, SourceError, SourceItem, Unit
+from pipelines.sources import files, folder, hf_parquet, manifest, shard_set, tar, webdataset
+from pipelines.sources.base import (
+    DEFAULT_MAX_BYTES,
+    FILES_PER_UNIT,
+    PlanOptions,
+    Reader,
+    SourceError,
+    SourceItem,
+    Unit,
+)
 
 #: Every format by name, in the order they are tried on a source whose format is not named.
-READERS: dict[str, Reader] = {r.name: r for r in (shard_set.READER, folder.READER, tar.READER, manifest.READER,
-                                                  files.READER)}
+READERS: dict[str, Reader] = {r.name: r for r in (
+    shard_set.READER,
+    webdataset.READER,
+    hf_parquet.READER,
+    folder.READER, tar.READER, manifest.READER, files.READER,
+)}
 
-__all__ = ["DEFAULT_MAX_BYTES", "FILES_PER_UNIT", "READERS", "Reader", "SourceError", "SourceItem", "Unit",
-           "expand", "iter_items", "known_items", "plan"]
+__all__ = ["DEFAULT_MAX_BYTES", "FILES_PER_UNIT", "READERS", "PlanOptions", "Reader", "SourceError", "SourceItem",
+           "Unit", "detect_format", "expand", "iter_items", "known_items", "plan"]
 
 
 def _reader(name: str) -> Reader:
     try:
-        return READERS[name]
+        return READERS[name.replace("-", "_")]
     except KeyError:
         raise SourceError(f"format {name!r} is not known; use one of {', '.join(READERS)}") from None
 
 
-def plan(source: str, *, files_per_unit: int = FILES_PER_UNIT, fmt: str | None = None) -> list[Unit]:
+def _located(source: str) -> list[tuple[str, object, str]]:
+    """(url, fs, path) of each file ``source`` names: itself, or the shards of a brace pattern or ``::`` list."""
+    urls = webdataset.shard_urls(source)
+    if urls is None or "::" not in source:  # a literal path wins over a brace pattern
+        fs, path = url_to_fs(source)
+        path = path.rstrip("/") or "/"
+        if fs.exists(path):
+            return [(source, fs, path)]
+    if urls is None:
+        raise SourceError(f"{source}: input not found; pass an existing folder, archive, manifest or shard set")
+    out = []
+    for url in urls:
+        fs, path = url_to_fs(url)
+        if not fs.exists(path):
+            raise SourceError(f"{url}: input not found (named by {source}); check the pattern's range")
+        out.append((url, fs, path))
+    return out
+
+
+def detect_format(source: str) -> str:
+    """The name of the reader that reads ``source`` when no format is named: the first that detects it."""
+    _, fs, path = _located(source)[0]
+    return next(r.name for r in READERS.values() if r.detect(fs, path))
+
+
+def plan(source: str, *, files_per_unit: int = FILES_PER_UNIT, fmt: str | None = None,
+         options: PlanOptions | None = None) -> list[Unit]:
     """Split ``source`` into units, read as format ``fmt`` (by default, the first that detects it).
 
     Raises :class:`SourceError` if it does not exist or is unreadable.
     """
-    fs, path = url_to_fs(source)
-    path = path.rstrip("/") or "/"
-    if not fs.exists(path):
-        raise SourceError(f"{source}: input not found; pass an existing folder, archive, manifest or shard set")
-    reader = _reader(fmt) if fmt is not None else next(r for r in READERS.values() if r.detect(fs, path))
-    return reader.plan(source, fs, path, files_per_unit)
+    located = _located(source)
+    reader = _reader(fmt if fmt is not None else detect_format(source))
+    options = options or PlanOptions()
+    return [unit for url, fs, path in located for unit in reader.plan(url, fs, path, files_per_unit, options)]
 
 
 def expand(unit: Unit, *, max_bytes: int | None = None,

@@ -65,9 +65,19 @@ class Unit:
 
     kind: str
     uris: tuple[str, ...]
-    labels: tuple[tuple[str, ...], ...] = ()  # per uri for "files"; (default,) for "tar"
-    index: int = 0  # shard index for "shard_set"
+    # per uri for "files"; (default,) for "tar"; ((label_key,) or (),) for "webdataset";
+    # (class names, (image column,), (label column,)) for "hf_parquet"
+    labels: tuple[tuple[str, ...], ...] = ()
+    index: int = 0  # shard index for "shard_set", row group for "hf_parquet"
     error: tuple[str, str] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """What a user says about a source that its files do not: where its label is, which split to read."""
+
+    label_key: str | None = None  # a WebDataset .json field, a Parquet column; None: the format's own
+    split: str | None = None  # a split of a WebDataset _info.json or a Hugging Face Parquet folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,8 +87,8 @@ class Reader:
     Args:
         name: the format's name, and the ``kind`` of the units it expands.
         detect: ``(fs, path) -> bool``: whether a source is of this format when none is named.
-        plan: ``(source, fs, path, files_per_unit) -> [Unit]``; may plan units of other readers
-            (a folder holds files and archives).
+        plan: ``(source, fs, path, files_per_unit, options) -> [Unit]``; may plan units of other
+            readers (a folder holds files and archives). ``options`` is a :class:`PlanOptions`.
         expand: ``(unit, max_bytes, allowed_roots) -> items``; None for a format whose plan
             only makes other readers' units.
         known_items: ``unit -> int | None``: the unit's items when planning already counted them.

@@ -9,7 +9,7 @@ from pipelines.schema import text_uri
 from pipelines.sources.base import Reader, SourceItem, Unit, read_url, text_labels
 
 
-def _plan(source: str, fs, path: str, files_per_unit: int) -> list[Unit]:
+def _plan(source: str, fs, path: str, files_per_unit: int, options=None) -> list[Unit]:
     return [Unit("files", (fs.unstrip_protocol(path),), ((),))]
 
 

@@ -32,7 +32,7 @@ def _local_tree_files(root: str) -> list[str]:
     return files
 
 
-def _plan(source: str, fs, root: str, files_per_unit: int) -> list[Unit]:
+def _plan(source: str, fs, root: str, files_per_unit: int, options=None) -> list[Unit]:
     units: list[Unit] = []
     files = FileBatcher(units, files_per_unit)
     for path in sorted(_local_tree_files(root) if is_local(fs) else fs.find(root, withdirs=False)):

@@ -76,7 +76,7 @@ def _check_columns(row: dict, manifest_url: str) -> None:
         )
 
 
-def _plan(source: str, fs, path: str, files_per_unit: int) -> list[Unit]:
+def _plan(source: str, fs, path: str, files_per_unit: int, options=None) -> list[Unit]:
     manifest_url = fs.unstrip_protocol(path)
     why = irregular_file(manifest_url)
     if why:

@@ -14,7 +14,7 @@ def _detect(fs, path: str) -> bool:
     return fs.isdir(path) and fs.exists(f"{path}/{MANIFEST}")
 
 
-def _plan(source: str, fs, root: str, files_per_unit: int) -> list[Unit]:
+def _plan(source: str, fs, root: str, files_per_unit: int, options=None) -> list[Unit]:
     url = fs.unstrip_protocol(root)
     try:
         shard_set = ShardSet(url)

@@ -1,10 +1,15 @@
 """Tar archives (``.tar``, ``.tar.gz``, ``.tgz``, ``.tar.bz2``, ``.tar.xz``), streamed member by member.
 
-A member's class is the name of the folder it sits in inside the archive, else the archive's
-folder-tree class, else the archive's stem: ImageNet-21k ships one ``n01440764.tar`` per class.
+A member's class follows the folder reader's rule (:mod:`pipelines.sources.folder`), the archive
+read as the folder that was tarred: an archive inside a class folder gives its members that class;
+otherwise a member's class is its first folder level inside the archive, below a top folder named
+as the archive (``tar czf train.tar.gz train/`` holds ``train/cat/1.jpg``: class ``cat``). A member
+in no class folder takes the archive's stem, as ImageNet-21k's one ``n01440764.tar`` per class
+needs; the Beam counter ``labels_from_archive_name`` counts them and each worker says so once.
 """
 from __future__ import annotations
 
+import logging
 import posixpath
 import tarfile
 from typing import Iterator
@@ -25,6 +30,9 @@ from pipelines.sources.base import (
     too_large_detail,
 )
 
+log = logging.getLogger(__name__)
+_said_fallback = False
+
 SUFFIXES = (".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz")
 
 
@@ -41,11 +49,34 @@ def _stem(path: str) -> str:
 
 
 def unit(url: str, path: str, labels: tuple[str, ...] = ()) -> Unit:
-    """The unit of one archive; its members' default class is ``labels``, else the archive's stem."""
-    return Unit("tar", (url,), (labels or (_stem(path),),))
+    """The unit of one archive; ``labels``: the class of the folder it sits in, if any."""
+    return Unit("tar", (url,), (labels,))
 
 
-def _plan(source: str, fs, path: str, files_per_unit: int) -> list[Unit]:
+def member_labels(name: str, folder_labels: tuple[str, ...], stem: str) -> tuple[str, ...] | None:
+    """A member's class by the folder reader's rule, or None when it sits in no class folder."""
+    if folder_labels:
+        return folder_labels
+    parts = name.split("/")
+    if len(parts) > 2 and parts[0] == stem:
+        parts = parts[1:]
+    return (parts[0],) if len(parts) > 1 else None
+
+
+def _fell_back(url: str, stem: str, n: int) -> None:
+    """Counts the members labelled with the archive's name, and says so once per process."""
+    global _said_fallback
+    from apache_beam.metrics import Metrics
+
+    Metrics.counter("prepare", "labels_from_archive_name").inc(n)
+    if not _said_fallback:
+        _said_fallback = True
+        log.warning("%s: %d member(s) sit in no class folder and take the archive's name %r as their class "
+                    "(one archive per class, as ImageNet-21k); put them in class folders if that is wrong",
+                    text_uri(url), n, stem)
+
+
+def _plan(source: str, fs, path: str, files_per_unit: int, options=None) -> list[Unit]:
     return [unit(fs.unstrip_protocol(path), path)]
 
 
@@ -74,17 +105,20 @@ def _refused(url: str, default_labels: tuple[str, ...], allowed_roots: tuple[str
     return None
 
 
-def _members(archive, url: str, default_labels: tuple[str, ...], max_bytes: int | None,
-             seen: list[int]) -> Iterator[SourceItem]:
-    """The archive's items; ``seen[0]`` counts the members reached, a failing one included."""
+def _members(archive, url: str, folder_labels: tuple[str, ...], max_bytes: int | None,
+             seen: list[int], fallback: list[int]) -> Iterator[SourceItem]:
+    """The archive's items; ``seen[0]`` counts the members reached, a failing one included, and
+    ``fallback[0]`` those labelled with the archive's stem."""
+    stem = _stem(url)
     for member in archive:
         if not member.isfile():
             continue
         name = member.name[2:] if member.name.startswith("./") else member.name
         if is_hidden(name):
             continue
-        folder = posixpath.dirname(name)
-        labels = (posixpath.basename(folder),) if folder else default_labels
+        labels = member_labels(name, folder_labels, stem)
+        if labels is None:
+            labels, fallback[0] = (stem,), fallback[0] + 1
         uri = f"tar://{name}::{url}"
         seen[0] += 1
         if max_bytes is not None and member.size > max_bytes:
@@ -100,20 +134,23 @@ def _members(archive, url: str, default_labels: tuple[str, ...], max_bytes: int 
 
 def _expand(unit: Unit, max_bytes: int | None = None,
             allowed_roots: tuple[str, ...] | None = None) -> Iterator[SourceItem]:
-    url, default_labels = unit.uris[0], unit.labels[0]
-    seen = [0]
+    url, folder_labels = unit.uris[0], unit.labels[0]
+    default_labels = folder_labels or (_stem(url),)
+    seen, fallback = [0], [0]
     try:
         refused = _refused(url, default_labels, allowed_roots)
         if refused is not None:
             yield refused
             return
         with fsspec.open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as archive:
-            yield from _members(archive, url, default_labels, max_bytes, seen)
+            yield from _members(archive, url, folder_labels, max_bytes, seen, fallback)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         where = f"after {seen[0]} member(s)" if seen[0] else "before the first member"
         yield SourceItem(text_uri(url), text_labels(default_labels), error=("corrupt_archive", text_uri(
             f"{url}: archive unreadable {where} ({type(exc).__name__}: {exc}); the rest of it is skipped"
         )))
+    if fallback[0]:
+        _fell_back(url, _stem(url), fallback[0])
 
 
 READER = Reader("tar", detect=lambda fs, path: is_tar(path), plan=_plan, expand=_expand)

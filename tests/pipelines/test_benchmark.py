@@ -34,6 +34,16 @@ def test_ingest_benchmark_prints_one_json_line_last():
     assert report["machine"]["cpu"]["name"] and report["machine"]["cores"] >= 1
 
 
+def test_ingest_benchmark_times_each_reader_against_the_folder_reader():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ingest.py"), "--readers", "--n", "2",
+                          "--repeats", "1", "--megapixels", "1"], capture_output=True, text=True, timeout=300, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    r = report["results"]["1MP"]
+    assert report["benchmark"] == "ingest_readers" and r["folder_img_s_per_core"] > 0
+    for name in ("webdataset", "hf_parquet"):
+        assert abs(r[f"{name}_ratio_to_folder"] - r[f"{name}_img_s_per_core"] / r["folder_img_s_per_core"]) < 0.01
+
+
 def test_mosaic_corpus_fills_the_frame_with_photographs():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import numpy as np

@@ -20,6 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
     ("test_set", ["corpus=/x"], "reserved"),
     ("store", "png", "store"),
     ("beam_options", ["project=x"], "--name=value"),
+    ("format", "wds", "use auto or one of shard_set, webdataset, hf_parquet, folder"),
+    ("split", " ", "split"),
 ])
 def test_bad_values_name_the_field(field, value, text):
     with pytest.raises(ConfigError, match=text):

@@ -126,6 +126,28 @@ def test_tar_member_folders_are_labels_and_gzip_works(tmp_path, jpeg):
     assert labels == {"tar://train/cat/1.jpg": ("cat",), "tar://train/dog/2.jpg": ("dog",), "tar://3.jpg": ("train",)}
 
 
+def test_a_tree_tarred_gets_the_classes_the_folder_reader_gives_it(tmp_path, wr, jpeg, caplog, monkeypatch):
+    from pipelines.sources import tar
+
+    monkeypatch.setattr(tar, "_said_fallback", False)  # said once per process
+    # The first folder level below the root, as the folder reader takes it, not the last.
+    tree = {"cat/a.jpg": jpeg, "cat/indoor/b.jpg": jpeg, "dog/c.jpg": jpeg, "loose.jpg": jpeg}
+    for name, data in tree.items():
+        wr(tmp_path / "tree" / name, data)
+    _tar(tmp_path / "tree.tar", {f"tree/{name}": data for name, data in tree.items()})  # tar cf tree.tar tree
+    _tar(tmp_path / "flat.tar", {f"./{name}": data for name, data in tree.items()})  # tar cf flat.tar -C tree .
+
+    def by_file(source):
+        return {it.uri.split("::")[0].rsplit("/", 1)[-1]: it.labels for it in iter_items(source)}
+
+    folder = by_file(str(tmp_path / "tree"))
+    assert folder == {"a.jpg": ("cat",), "b.jpg": ("cat",), "c.jpg": ("dog",), "loose.jpg": ()}
+    with caplog.at_level("WARNING", logger="pipelines.sources.tar"):
+        for archive, stem in (("tree.tar", "tree"), ("flat.tar", "flat")):
+            assert by_file(str(tmp_path / archive)) == {**folder, "loose.jpg": (stem,)}
+    assert "sit in no class folder and take the archive's name" in caplog.text
+
+
 def test_tar_uri_opens_with_fsspec(tmp_path, jpeg):
     import fsspec
 
@@ -222,5 +244,5 @@ def test_a_named_format_reads_the_source_as_that_format_and_an_unknown_one_is_re
     assert plan(str(tmp_path / "a.tar"), fmt="tar") == plan(str(tmp_path / "a.tar"))
     (unit,) = plan(str(tmp_path / "a.tar"), fmt="files")  # named, the format decides, not the suffix
     assert unit.kind == "files"
-    with pytest.raises(SourceError, match="format 'wds' is not known; use one of shard_set, folder, tar, manifest"):
+    with pytest.raises(SourceError, match="format .wds. is not known; use one of shard_set, webdataset, hf_parquet, folder, tar, manifest"):
         plan(str(tmp_path / "a.tar"), fmt="wds")
