@@ -37,7 +37,14 @@ from common.fs import is_local, url_to_fs
 from common.jobenv import durable_path
 from common.progress import TTY_EVERY, IngestProgress, ProgressLine, Ticker
 from pipelines import direct_runner, runners, schema, staging, worker_counts
-from pipelines.accounting import MAX_ATTEMPTS, AccountingError, dominant_rejection, nothing_written, run_metrics, summarise
+from pipelines.accounting import (
+    MAX_ATTEMPTS,
+    AccountingError,
+    dominant_rejection,
+    nothing_written,
+    run_metrics,
+    summarise,
+)
 from pipelines.config import PrepareConfig, PrepareError
 from pipelines.graph import build_pipeline
 from pipelines.output import OutputFolder
