@@ -5,6 +5,7 @@ first whose ``detect`` accepts the source reads it, in this order:
 
 * a **shard set** (:mod:`~pipelines.sources.shard_set`): a folder with ``manifest.json``;
 * an **image folder tree** (:mod:`~pipelines.sources.folder`), tar archives in it included;
+* ImageNet-1k's **train archive**, a tar of per-class tars (:mod:`~pipelines.sources.imagenet`);
 * a **tar archive** (:mod:`~pipelines.sources.tar`);
 * a **manifest** (:mod:`~pipelines.sources.manifest`): CSV, JSONL or Parquet rows naming files;
 * any other file is one **image file** (:mod:`~pipelines.sources.files`).
@@ -28,12 +29,12 @@ from typing import Iterator
 
 from common.fs import url_to_fs
 from pipelines.schema import text_uri
-from pipelines.sources import files, folder, manifest, shard_set, tar
+from pipelines.sources import files, folder, imagenet, manifest, shard_set, tar
 from pipelines.sources.base import DEFAULT_MAX_BYTES, FILES_PER_UNIT, Reader, SourceError, SourceItem, Unit
 
 #: Every format by name, in the order they are tried on a source whose format is not named.
-READERS: dict[str, Reader] = {r.name: r for r in (shard_set.READER, folder.READER, tar.READER, manifest.READER,
-                                                  files.READER)}
+READERS: dict[str, Reader] = {r.name: r for r in (shard_set.READER, folder.READER, imagenet.READER, tar.READER,
+                                                  manifest.READER, files.READER)}
 
 __all__ = ["DEFAULT_MAX_BYTES", "FILES_PER_UNIT", "READERS", "Reader", "SourceError", "SourceItem", "Unit",
            "expand", "iter_items", "known_items", "plan"]
