@@ -49,6 +49,7 @@ from pipelines.config import PrepareConfig, PrepareError
 from pipelines.graph import build_pipeline
 from pipelines.output import OutputFolder
 from pipelines.sources import SourceError, Unit, plan
+from pipelines.sources.labels import label_files
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,11 @@ def plan_inputs(cfg: PrepareConfig) -> list[Unit]:
                 "check the path"
             )
         units.extend(found)
+    if cfg.labels:
+        try:
+            units = label_files(units, cfg.labels, cfg.synsets)
+        except SourceError as exc:
+            raise PrepareError(str(exc)) from None
     return units
 
 

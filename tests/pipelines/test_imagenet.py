@@ -80,3 +80,77 @@ def test_prepare_ingests_the_train_archive_with_sorted_wnid_ids(tmp_path, class_
         row = shards[i]
         (label,) = row["labels"]
         assert f"::tar://{names[label]}.tar::" in row["source"]
+
+
+# The validation folder: ILSVRC2012_val_00000001.JPEG ... and its classes, by file.
+VAL_CLASSES = ("n01443537", "n01440764", "n01484850", "n01440764", "n01484850", "n01443537")
+SYNSETS = ("n01440764", "n01443537", "n01484850")  # ILSVRC ids 1, 2, 3 (not sorted-WNID order in real data)
+
+
+@pytest.fixture(scope="module")
+def val_folder(tmp_path_factory, class_images):
+    root = tmp_path_factory.mktemp("val")
+    folder = root / "val"
+    folder.mkdir()
+    for n, wnid in enumerate(VAL_CLASSES, 1):
+        (folder / f"ILSVRC2012_val_{n:08d}.JPEG").write_bytes(class_images[wnid][n % PER_CLASS])
+    rows = [f"ILSVRC2012_val_{n:08d},{w} 10 20 110 120 n09999999 1 2 3 4" for n, w in enumerate(VAL_CLASSES, 1)]
+    (root / "LOC_val_solution.csv").write_text("ImageId,PredictionString\n" + "\n".join(reversed(rows)) + "\n")
+    (root / "ground_truth.txt").write_text("".join(f"{SYNSETS.index(w) + 1}\n" for w in VAL_CLASSES))
+    (root / "synsets.txt").write_text("n01440764 tench, Tinca tinca\nn01443537 goldfish\nn01484850 great white\n")
+    return root
+
+
+def _planned_labels(root, **kw) -> dict[str, tuple]:
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import plan_inputs
+
+    units = plan_inputs(PrepareConfig(input=[str(root / "val")], output=str(root / "out"), workers=1, **kw))
+    return {uri.rsplit("/", 1)[1]: labels for u in units for uri, labels in zip(u.uris, u.labels)}
+
+
+def _expected() -> dict[str, tuple]:
+    return {f"ILSVRC2012_val_{n:08d}.JPEG": (w,) for n, w in enumerate(VAL_CLASSES, 1)}
+
+
+def test_a_validation_folder_takes_its_labels_from_each_label_file(val_folder):
+    import numpy as np
+    import scipy.io
+
+    assert _planned_labels(val_folder, labels=str(val_folder / "LOC_val_solution.csv")) == _expected()
+    assert _planned_labels(val_folder, labels=str(val_folder / "ground_truth.txt"),
+                           synsets=str(val_folder / "synsets.txt")) == _expected()
+    # The devkit's meta.mat: the classes are its leaf synsets (no children), in ILSVRC id order.
+    synsets = np.array([(3, "n01484850", 0), (1, "n01440764", 0), (4, "n00000001", 3), (2, "n01443537", 0)],
+                       dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("num_children", "O")])
+    scipy.io.savemat(val_folder / "meta.mat", {"synsets": synsets})
+    assert _planned_labels(val_folder, labels=str(val_folder / "ground_truth.txt"),
+                           synsets=str(val_folder / "meta.mat")) == _expected()
+
+
+def test_a_label_file_that_does_not_fit_the_folder_is_refused_in_one_line(val_folder, tmp_path):
+    from pipelines.config import PrepareError
+
+    with pytest.raises(PrepareError, match=r"labels: .*ground_truth.txt is not LOC_val_solution.csv; a ground-truth "
+                                           r"file of ids needs --synsets"):
+        _planned_labels(val_folder, labels=str(val_folder / "ground_truth.txt"))
+    short = tmp_path / "short.csv"
+    short.write_text("\n".join((val_folder / "LOC_val_solution.csv").read_text().splitlines()[:-1]) + "\n")
+    with pytest.raises(PrepareError, match=r"labels: 1 of 6 unlabelled files have no label in .*short.csv, e.g. "):
+        _planned_labels(val_folder, labels=str(short))
+    (tmp_path / "gt.txt").write_text("1\n2\n")
+    with pytest.raises(PrepareError, match=r"gt.txt has 2 lines but the input has 6 unlabelled files"):
+        _planned_labels(val_folder, labels=str(tmp_path / "gt.txt"), synsets=str(val_folder / "synsets.txt"))
+
+
+def test_prepare_ingests_the_validation_folder_with_sorted_wnid_ids(val_folder, prepare):
+    # It used to ingest every row unlabelled, with exit 0.
+    manifest = prepare(input=[str(val_folder / "val")], output=str(val_folder / "out"), size=32,
+                       labels=str(val_folder / "LOC_val_solution.csv"))
+    assert manifest["counts"]["written"] == len(VAL_CLASSES)
+    assert manifest["label_map"] == {w: i for i, w in enumerate(sorted(SYNSETS))}
+    shards = ShardSet(val_folder / "out")
+    expected = _expected()
+    for i in range(len(shards)):
+        row = shards[i]
+        assert (shards.label_names[row["labels"][0]],) == expected[row["source"].rsplit("/", 1)[1]]
