@@ -164,7 +164,7 @@ def finetune_trial(config: dict) -> None:
         test = evaluate(evaluated, test_loader, device, cfg.bf16)
         metrics.update(test_loss=test["loss"], test_accuracy=test["accuracy"])
         tracking.log_metrics_to(run_id, metrics, step=cfg.steps, uri=uri)
-        report_final(metrics, evaluated)
+        report_final(metrics, evaluated, train_set.label_names)
         tracking.end_run(run_id, uri=uri)
     except BaseException:
         tracking.end_run(run_id, failed=True, uri=uri)
@@ -321,6 +321,7 @@ def _run_sweeps(cfg: FinetuneConfig, output: Path, uri: str, train_set: ShardSet
             "final_train_rows": result.metrics["train_rows"],
             "model": str(model_path),
             "train": cfg.train,
+            "label_map": train_set.label_map,
             "mlflow_run_id": run.info.run_id,
         }
         _publish(summary, name, output, run, train_set.label_names)
