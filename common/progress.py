@@ -506,7 +506,8 @@ class StepProgress:
             self._reported = row["step"]
             held = (f", held-out loss {row['holdout_loss']:.4f} accuracy {row['holdout_accuracy']:.3f}"
                     if "holdout_accuracy" in row else "")
-            self.line.above(f"epoch {row['epoch']} to step {row['step']}/{row['total']}: train loss "
+            # The loop counts epochs from 0; the console counts them as --epochs does, from 1.
+            self.line.above(f"epoch {row['epoch'] + 1} to step {row['step']}/{row['total']}: train loss "
                             f"{row['train_loss']:.4f} accuracy {row['train_accuracy']:.3f}{held}; "
                             f"{row['images_per_second']:.1f} img/s, checkpoint saved")
 

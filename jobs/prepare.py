@@ -1,7 +1,7 @@
 """Ingest an image corpus into Arrow IPC shards: ``python jobs/prepare.py --input SRC --output DIR``.
 
 Exits 0 when the run completed (quarantined items included), 2 on a usage or
-config error, 1 when the counts do not reconcile.
+config error or when no image was written, 1 when the counts do not reconcile.
 """
 from __future__ import annotations
 

@@ -106,3 +106,38 @@ def run_metrics(manifest: dict, wall: float, workers: int) -> dict[str, float]:
     metrics.update({f"rejected.{k}": v for k, v in counts["rejected"].items()})
     metrics.update({f"duplicates.{k}": v for k, v in counts["duplicates"].items()})
     return metrics
+
+
+#: A run is warned about when one rejection reason takes more than this share of its inputs.
+DOMINANT_SHARE = 0.5
+
+
+def _top_reason(counts: dict) -> tuple[str, int]:
+    """The most common reason an input was not written (a rejection reason or a duplicate cause)."""
+    reasons = {**counts["rejected"], **{f"duplicate of {k}": v for k, v in counts["duplicates"].items() if v}}
+    return max(sorted(reasons.items()), key=lambda kv: kv[1]) if reasons else ("none", 0)
+
+
+def _example(quarantine: list, reason: str) -> str:
+    detail = next((r["detail"] for r in quarantine if r["reason"] == reason), "")
+    return f", e.g. {detail}" if detail else ""
+
+
+def nothing_written(manifest: dict, quarantine: list) -> str | None:
+    """The one-line error of a run that wrote no image, or None when it wrote some."""
+    counts = manifest["counts"]
+    if counts["written"]:
+        return None
+    reason, n = _top_reason(counts)
+    return (f"{counts['inputs']} inputs -> 0 written ({counts['rejected_total']} quarantined {counts['rejected']}, "
+            f"{counts['duplicates_total']} duplicates); most common reason: {reason} ({n}){_example(quarantine, reason)}")
+
+
+def dominant_rejection(manifest: dict, quarantine: list) -> str | None:
+    """A one-line warning when most inputs were rejected for one reason, else None."""
+    counts = manifest["counts"]
+    reason, n = _top_reason({**counts, "duplicates": {}})
+    if not counts["inputs"] or n <= DOMINANT_SHARE * counts["inputs"]:
+        return None
+    return (f"{n} of {counts['inputs']} inputs were quarantined as {reason}{_example(quarantine, reason)}; "
+            f"see quarantine.jsonl")

@@ -109,6 +109,16 @@ class PrepareConfig:
         metadata={"help": "the split to read from a WebDataset folder with an _info.json, or a Hugging Face Parquet "
                           "folder holding train-*.parquet and validation-*.parquet"},
     )
+    labels: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "label file for a flat folder of images (ImageNet's validation set): LOC_val_solution.csv "
+                          "(ImageId,PredictionString), or the devkit's ground-truth file of ids with --synsets"},
+    )
+    synsets: str | None = dataclasses.field(
+        default=None,
+        metadata={"help": "with a ground-truth --labels file: the WNIDs in id order, the devkit's meta.mat or a "
+                          "text file of one WNID a line"},
+    )
     runner: str = dataclasses.field(
         default="DirectRunner",
         metadata={"recipe": False, "help": "Beam runner: DirectRunner (this machine), dask (a dask.distributed cluster; tested), "
@@ -166,6 +176,8 @@ class PrepareConfig:
               "is not supported with --runner dask: it needs Beam's dead-letter output, which Beam's DaskRunner "
               "routes wrongly (pipelines/dask_runner.py); leave it off or use the DirectRunner")
         self.check_format()
+        check(self.synsets is None or self.labels is not None, "synsets",
+              "names the ids of a ground-truth file; pass that file with --labels")
         for root in self.allowed_roots:
             check(isinstance(root, str) and bool(root.strip()) and not root.startswith("-"), "allowed_roots",
                   f"{root!r}: expected a folder or URL prefix")

@@ -37,12 +37,20 @@ from common.fs import is_local, url_to_fs
 from common.jobenv import durable_path
 from common.progress import TTY_EVERY, IngestProgress, ProgressLine, Ticker
 from pipelines import direct_runner, runners, schema, staging, worker_counts
-from pipelines.accounting import MAX_ATTEMPTS, AccountingError, run_metrics, summarise
+from pipelines.accounting import (
+    MAX_ATTEMPTS,
+    AccountingError,
+    dominant_rejection,
+    nothing_written,
+    run_metrics,
+    summarise,
+)
 from pipelines.config import PrepareConfig, PrepareError
 from pipelines.graph import build_pipeline
 from pipelines.labels import renumbered
 from pipelines.output import OutputFolder
 from pipelines.sources import SourceError, Unit, detect_format, hf_parquet, plan
+from pipelines.sources.labels import label_files
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +135,11 @@ def plan_inputs(cfg: PrepareConfig, chosen: list[str] | None = None) -> list[Uni
                 "check the path"
             )
         units.extend(found)
+    if cfg.labels:
+        try:
+            units = label_files(units, cfg.labels, cfg.synsets)
+        except SourceError as exc:
+            raise PrepareError(str(exc)) from None
     return units
 
 
@@ -270,11 +283,29 @@ def _log_run(job: _Job, summary: tuple[dict, list, list], wall: float, p) -> Non
         tracking.log_text(staging.jsonl(duplicates).decode(), schema.DUPLICATES)
 
 
+def _check_written(job: _Job, summary: tuple[dict, list, list], staged: list[str]) -> None:
+    """Refuse a run that wrote no image, before the swap: an empty set would only fail in the next stage."""
+    manifest, quarantine, _ = summary
+    empty = nothing_written(manifest, quarantine)
+    if empty is None:
+        warning = dominant_rejection(manifest, quarantine)
+        if warning:
+            print(f"prepare: warning: {job.cfg.output}: {warning}", file=sys.stderr)
+        return
+    tracking.log_text(staging.jsonl(quarantine).decode(), schema.QUARANTINE)
+    for folder in staged:
+        job.fs.rm(folder, recursive=True)
+    kept = "the shard set already there is kept" if job.folder.old_manifest() is not None else "no shard set was written"
+    raise PrepareError(f"{job.cfg.output}: {empty}; {kept} (every rejection: {schema.QUARANTINE} of MLflow run "
+                       f"{job.run.info.run_id})")
+
+
 def run_prepare(cfg: PrepareConfig) -> dict:
     """Run the ingest described by ``cfg`` and return the manifest (also written to ``cfg.output``).
 
     Raises:
-        PrepareError: a missing input, bad label map or unusable output, before anything is written.
+        PrepareError: a missing input, bad label map or unusable output, before anything is written; or
+            a run that wrote no image (the set already in the folder is kept).
         AccountingError: the counts do not reconcile; no manifest is written.
     """
     from pipelines.testsets import check_sources
@@ -309,6 +340,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
         _warn_renumbered(manifest["label_map"] if label_map is None else {})
         manifest["mlflow_run_id"] = run.info.run_id
         manifest["config"] = params
+        _check_written(job, summary, [folder_of_run, plan_dir])
 
         folder.swap(f"{folder_of_run}/shards", manifest,
                     {schema.QUARANTINE: staging.jsonl(quarantine), schema.DUPLICATES: staging.jsonl(duplicates)})

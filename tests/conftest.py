@@ -283,3 +283,24 @@ def tiny_shards(tmp_path_factory):
     finally:
         mp.undo()
     return root / "shards"
+
+
+@pytest.fixture(scope="session")
+def unlabelled_shards(tmp_path_factory):
+    """A real shard set of 16 photo crops with no labels (a flat folder), prepared at 32 px."""
+    from common.photos import photo
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    root = tmp_path_factory.mktemp("unlabelled")
+    (root / "src").mkdir()
+    img = photo("chelsea.png")
+    for i in range(16):
+        img.crop((i * 10, i * 5, i * 10 + 200, i * 5 + 200)).save(root / "src" / f"{i}.png")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VITSCALE_HOME", str(root / "home"))
+    try:
+        run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=32, workers=1))
+    finally:
+        mp.undo()
+    return root / "shards"

@@ -194,7 +194,7 @@ class Checkpointer:
 
         import vitcore
         from training.loop import all_reduce_sum
-        from vitcore.checkpoint import MODEL_FILE
+        from vitcore.checkpoint import MODEL_FILE, label_metadata
 
         state = trainer.state_dict()
         rng = rng_states(trainer.device)
@@ -205,7 +205,8 @@ class Checkpointer:
             if self.rank == 0:
                 torch.save({"format": STATE_FORMAT, **state, **position.state_dict(seen), "rng": rng,
                             "cfg": dataclasses.asdict(self.cfg)}, Path(d) / TRAIN_STATE)
-                vitcore.save_checkpoint(trainer.plain_model(state["model"]), Path(d) / MODEL_FILE)
+                vitcore.save_checkpoint(trainer.plain_model(state["model"]), Path(d) / MODEL_FILE,
+                                        extra_metadata=label_metadata(trainer.label_names))
                 files = {name: (Path(d) / name).stat().st_size for name in (TRAIN_STATE, MODEL_FILE)}
                 (Path(d) / RECORD).write_text(json.dumps({"step": trainer.step, "files": files,
                                                           "cfg": dataclasses.asdict(self.cfg)}, default=str))

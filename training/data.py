@@ -47,7 +47,7 @@ def encode_target(labels: Sequence[int], label_mode: LabelMode, num_classes: int
         if len(labels) != 1:
             raise ConfigError(
                 f"{row}: has {len(labels)} labels but label_mode='single'; "
-                "use label_mode='multi' (sigmoid loss) for multi-label corpora"
+                "pre-train a multi-label corpus with --loss sigmoid"
             )
         return labels[0]
     y = np.zeros(num_classes, np.float32)
@@ -447,6 +447,31 @@ def holdout_mask(keys: Sequence[str], fraction: float) -> np.ndarray:
 def shard_keys(shards: ShardSet) -> list[str]:
     """Keys of the retained rows, in ``ShardSet`` index order (a memory-mapped column read)."""
     return [k for batch in shards.iter_batches(columns=["key"]) for k in batch.column(0).to_pylist()]
+
+
+def label_counts(shards: ShardSet) -> tuple[int, int]:
+    """(rows with no label, rows with several) among the retained rows (a memory-mapped column read)."""
+    none = several = 0
+    for batch in shards.iter_batches(columns=["labels"]):
+        n = pc.fill_null(pc.list_value_length(batch.column(0)), 0)
+        none += pc.sum(pc.equal(n, 0)).as_py() or 0
+        several += pc.sum(pc.greater(n, 1)).as_py() or 0
+    return none, several
+
+
+def check_labelled(shards: ShardSet, field: str, *, unlabelled_fix: str, several_fix: str | None) -> None:
+    """Refuse, in one line naming ``field`` and the fix, a shard set a classifier cannot learn or be scored on:
+    no labels at all, or, for a single-label one (``several_fix`` given), a row without one or with several."""
+    rows = len(shards)
+    none, several = label_counts(shards)
+    where = f"{field}: {shards.directory}"
+    if rows and (none == rows or not shards.label_map):
+        raise ConfigError(f"{where} is unlabelled (none of its {rows} rows has a label); {unlabelled_fix}")
+    if none and several_fix is not None:
+        raise ConfigError(f"{where}: {none} of its {rows} rows have no label, and a classifier needs one a row; "
+                          f"{unlabelled_fix}")
+    if several and several_fix is not None:
+        raise ConfigError(f"{where}: {several} of its {rows} rows have several labels; {several_fix}")
 
 
 class DecodeBatch:

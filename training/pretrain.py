@@ -383,6 +383,7 @@ def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, 
         raise ConfigError(f"fewshot_data: {cfg.fewshot_data} has no {MANIFEST}; prepare a labelled shard set "
                           "with jobs/prepare.py and pass its directory")
     shards = ShardSet(str(data))
+    _check_labels(cfg, shards)
     cfg = dataclasses.replace(cfg, data=str(data.resolve()),
                               fewshot_data=str(Path(cfg.fewshot_data).expanduser().resolve()) if cfg.fewshot_data else None)
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
@@ -522,6 +523,19 @@ def _kept(cfg: PretrainConfig, storage: tuple[str, Any], total_steps: int) -> st
     if folder is None:
         return f"run {cfg.run_name!r} had saved no checkpoint yet, so it starts from step 0 again"
     return f"run {cfg.run_name!r} kept its checkpoint at step {record['step']} of {total_steps} ({folder})"
+
+
+def _check_labels(cfg: PretrainConfig, shards: Any) -> None:
+    """The labels the objective needs, checked before Ray starts (a worker would fail on the first batch)."""
+    from training.data import check_labelled
+
+    if cfg.objective == "classification":
+        check_labelled(shards, "data", unlabelled_fix="pre-train an unlabelled set with --objective mpp (masked patch "
+                       "prediction), or prepare it from class folders or a manifest with a label column",
+                       several_fix=None if cfg.loss == "sigmoid" else "use --loss sigmoid for a multi-label corpus")
+    if cfg.fewshot_data:
+        check_labelled(ShardSet(str(Path(cfg.fewshot_data).expanduser())), "fewshot_data", several_fix="pass a "
+                       "single-label set", unlabelled_fix="few-shot evaluation needs a labelled shard set")
 
 
 def _warn_one_class(cfg: PretrainConfig, shards: Any) -> None:

@@ -77,6 +77,7 @@ class Trainer:
             ray.get(self.run["starts"].start.remote())
         self.nodes = len(set(gather(ray.get_runtime_context().get_node_id())))
         train_ds, held_ds, num_classes = _datasets(cfg)
+        self.label_names = [] if self.mpp else list(train_ds.shards.label_names)  # the model file names its classes
         self.steps_per_epoch, self.total_steps = cfg.plan_steps(len(train_ds), self.world)
         self.held_out = None if self.mpp or not len(held_ds) else HeldOut(held_ds, cfg, self.rank, self.world)
         self.model, self.dist_model, self.trainable = self._build_model(num_classes)

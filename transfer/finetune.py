@@ -164,7 +164,7 @@ def finetune_trial(config: dict) -> None:
         test = evaluate(evaluated, test_loader, device, cfg.bf16)
         metrics.update(test_loss=test["loss"], test_accuracy=test["accuracy"])
         tracking.log_metrics_to(run_id, metrics, step=cfg.steps, uri=uri)
-        report_final(metrics, evaluated)
+        report_final(metrics, evaluated, train_set.label_names)
         tracking.end_run(run_id, uri=uri)
     except BaseException:
         tracking.end_run(run_id, failed=True, uri=uri)
@@ -185,9 +185,13 @@ def _resolve_inputs(cfg: FinetuneConfig) -> FinetuneConfig:
 
 def _check_splits(cfg: FinetuneConfig) -> tuple[ShardSet, float]:
     """The training split and its dev fraction, once both splits are known to be usable."""
-    from training.data import split_rows
+    from training.data import check_labelled, split_rows
 
     train_set, test_set = ShardSet(cfg.train), ShardSet(cfg.test)
+    for split, shards in (("train", train_set), ("test", test_set)):
+        check_labelled(shards, split, unlabelled_fix="fine-tuning needs labelled splits: prepare them from class "
+                       "folders or a manifest with a label column",
+                       several_fix="fine-tuning trains a single-label classifier; prepare it with one label a row")
     train_map, test_map = train_set.label_map, test_set.label_map
     if train_map != test_map:
         raise ConfigError(
@@ -272,6 +276,11 @@ def _finished(output: Path, state: dict | None) -> dict | None:
     return summary if state and summary.get("mlflow_run_id") == state.get("mlflow_run_id") else None
 
 
+def run_name(cfg: FinetuneConfig, set_name: str) -> str:
+    """The MLflow run's name: the dataset when ``--dataset`` names it, else the training set's name."""
+    return f"finetune {cfg.dataset or set_name}" + (f" from {Path(cfg.pretrained).parent.name}" if cfg.pretrained else "")
+
+
 def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Select the learning rate on the dev sub-split, retrain on all of train at that rate, test it."""
     cfg = _resolve_inputs(cfg)
@@ -295,7 +304,7 @@ def _run_sweeps(cfg: FinetuneConfig, output: Path, uri: str, train_set: ShardSet
     train_record = shard_set_record(cfg.train, role="training")
     records = [train_record, shard_set_record(cfg.test, role="evaluation")]
     upstream = [u for u in ([tracking.read_lineage(cfg.pretrained)] if cfg.pretrained else []) if u]
-    name = f"finetune {train_record['name']}" + (f" from {Path(cfg.pretrained).parent.name}" if cfg.pretrained else "")
+    name = run_name(cfg, train_record["name"])
     new = {"params": config, "parent_run_id": cfg.parent_run_id, "run_name": name,
            "tags": tracking.run_tags(cfg, data=records, main=[train_record], models=upstream)}
     with sweep_run("finetune", output, config, state, records=records, new=new, log_system_metrics=True) as run:
@@ -312,6 +321,7 @@ def _run_sweeps(cfg: FinetuneConfig, output: Path, uri: str, train_set: ShardSet
             "final_train_rows": result.metrics["train_rows"],
             "model": str(model_path),
             "train": cfg.train,
+            "label_map": train_set.label_map,
             "mlflow_run_id": run.info.run_id,
         }
         _publish(summary, name, output, run, train_set.label_names)

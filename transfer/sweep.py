@@ -93,15 +93,16 @@ def _env(name: str, value: str | None):
                 os.environ[name] = before
 
 
-def report_final(metrics: dict, model) -> None:
-    """Report a trial's last result to Tune with its model as the checkpoint."""
+def report_final(metrics: dict, model, label_names: list[str] | None = None) -> None:
+    """Report a trial's last result to Tune with its model as the checkpoint; the model file's
+    metadata names its classes, in head order, beside the config."""
     from ray import tune
 
     import vitcore
-    from vitcore.checkpoint import MODEL_FILE
+    from vitcore.checkpoint import MODEL_FILE, label_metadata
 
     with tempfile.TemporaryDirectory() as d:
-        vitcore.save_checkpoint(model, Path(d) / MODEL_FILE)
+        vitcore.save_checkpoint(model, Path(d) / MODEL_FILE, extra_metadata=label_metadata(label_names))
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
 

@@ -119,7 +119,7 @@ def vtab_trial(config: dict) -> None:
                    "images_per_second": stats["images_per_second"]}
         tracking.log_metrics_to(run_id, metrics, step=setting["steps"], uri=uri)
         if phase == "final":
-            report_final(metrics, evaluated)
+            report_final(metrics, evaluated, train_ds.datasets[0].shards.label_names)
         else:
             tune.report(metrics)
         tracking.end_run(run_id, uri=uri)

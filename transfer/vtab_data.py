@@ -290,6 +290,8 @@ def resolve_tasks(data_root: str | None, task: list[str], *, no_flip: Sequence[s
     entries, and ``no_flip``/``no_crop`` name the user's tasks a flip or crop would relabel.
     Checked before any trial: each task folder must hold the three splits with one label map.
     """
+    from training.data import check_labelled
+
     tasks = {}
     for name, (t, path, registry) in _task_folders(data_root, task, no_flip, no_crop).items():
         for split in SPLITS:
@@ -309,6 +311,10 @@ def resolve_tasks(data_root: str | None, task: list[str], *, no_flip: Sequence[s
         empty = [s for s in SPLITS if len(sets[s]) == 0]
         if empty:
             raise ConfigError(f"task {name}: {path}/{empty[0]} has no rows; check its quarantine.jsonl")
+        for split in SPLITS:
+            check_labelled(sets[split], f"task {name}", unlabelled_fix="a task needs labelled splits; prepare it "
+                           f"with: {split_command(name, str(path), registry)}", several_fix="prepare it with one "
+                           "label a row")
         tasks[name] = {"dir": str(path), "group": t.group, "num_classes": classes, "flip": t.flip,
                        "crop": t.crop, "registry": registry}
     return tasks

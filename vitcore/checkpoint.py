@@ -30,6 +30,15 @@ class CheckpointMismatch(ValueError):
     """A checkpoint file that is readable but not what it says it is (its config and tensors disagree)."""
 
 
+#: The metadata key of a model's class names: a JSON list in head order.
+LABELS_KEY = "labels"
+
+
+def label_metadata(label_names: list[str] | None) -> dict[str, str] | None:
+    """The metadata naming a model's classes, or None when it has none (MPP, an unlabelled set)."""
+    return {LABELS_KEY: json.dumps(list(label_names))} if label_names else None
+
+
 def save_checkpoint(model: VisionTransformer | ResNetV2, path: str | os.PathLike,
                     extra_metadata: dict[str, str] | None = None) -> None:
     """Write the model's weights and config to `path` (a `.safetensors` file)."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import check_checkpoint, read_checkpoint
+from .checkpoint import LABELS_KEY, check_checkpoint, read_checkpoint
 from .model import ViTConfig
 from .posembed import sincos_2d
 
@@ -27,7 +27,6 @@ TIMM_CONFIG = "config.json"
 TIMM_WEIGHTS = "model.safetensors"
 # save_checkpoint(extra_metadata=...) key under which a model file may carry its class names, in
 # head order, as a JSON list (the name the MLflow model's metadata uses).
-LABELS_KEY = "labels"
 # The timm constructor the config names. Every structural argument is in model_args, so this
 # only picks the closest name a reader recognises; it changes nothing that is computed.
 ARCHITECTURES = {"Ti": "vit_tiny_patch16_224", "S": "vit_small_patch16_224", "B": "vit_base_patch16_224",

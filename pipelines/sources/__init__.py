@@ -9,6 +9,7 @@ first whose ``detect`` accepts the source reads it, in this order:
 * **Hugging Face Parquet** (:mod:`~pipelines.sources.hf_parquet`): files, or a folder of them,
   whose rows hold the images (a ``datasets`` ``Image`` column);
 * an **image folder tree** (:mod:`~pipelines.sources.folder`), tar archives in it included;
+* ImageNet-1k's **train archive**, a tar of per-class tars (:mod:`~pipelines.sources.imagenet`);
 * a **tar archive** (:mod:`~pipelines.sources.tar`);
 * a **manifest** (:mod:`~pipelines.sources.manifest`): CSV, JSONL or Parquet rows naming files;
 * any other file is one **image file** (:mod:`~pipelines.sources.files`).
@@ -32,7 +33,7 @@ from typing import Iterator
 
 from common.fs import url_to_fs
 from pipelines.schema import text_uri
-from pipelines.sources import files, folder, hf_parquet, manifest, shard_set, tar, webdataset
+from pipelines.sources import files, folder, hf_parquet, imagenet, manifest, shard_set, tar, webdataset
 from pipelines.sources.base import (
     DEFAULT_MAX_BYTES,
     FILES_PER_UNIT,
@@ -48,7 +49,7 @@ READERS: dict[str, Reader] = {r.name: r for r in (
     shard_set.READER,
     webdataset.READER,
     hf_parquet.READER,
-    folder.READER, tar.READER, manifest.READER, files.READER,
+    folder.READER, imagenet.READER, tar.READER, manifest.READER, files.READER,
 )}
 
 __all__ = ["DEFAULT_MAX_BYTES", "FILES_PER_UNIT", "READERS", "PlanOptions", "Reader", "SourceError", "SourceItem",

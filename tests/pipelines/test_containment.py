@@ -150,9 +150,10 @@ def test_memory_follows_one_member_of_a_sparse_tar_not_the_whole_tar(tmp_path, p
     assert archive.stat().st_size < 100_000
     with tarfile.open(archive) as tf:
         assert [m.size for m in tf.getmembers()] == [MEMBER] * 4
+    wr(archive.parent / "ok.jpg", enc(photos["coffee"], "JPEG"))  # a run that writes nothing is refused
     base = _baseline_mb(tmp_path, photos, enc, wr)
     result = _peak_prepare(archive.parent, tmp_path / "out")
-    assert result["counts"]["rejected"] == {"not_an_image": 4}
+    assert result["counts"]["rejected"] == {"not_an_image": 4} and result["counts"]["written"] == 1
     # One 400 MB member at a time, never the four at once.
     assert result["peak_mb"] - base < 1.6 * MEMBER / 1e6, (base, result)
 
@@ -160,9 +161,10 @@ def test_memory_follows_one_member_of_a_sparse_tar_not_the_whole_tar(tmp_path, p
 def test_memory_follows_one_file_of_a_folder_not_the_whole_batch(tmp_path, photos, enc, wr):
     for i in range(3):
         _sparse(tmp_path / "in" / "a" / f"big{i}.bin", MEMBER)
+    wr(tmp_path / "in" / "a" / "ok.jpg", enc(photos["coffee"], "JPEG"))  # a run that writes nothing is refused
     base = _baseline_mb(tmp_path, photos, enc, wr)
     result = _peak_prepare(tmp_path / "in", tmp_path / "out")
-    assert result["counts"]["rejected"] == {"not_an_image": 3}
+    assert result["counts"]["rejected"] == {"not_an_image": 3} and result["counts"]["written"] == 1
     assert result["peak_mb"] - base < 1.6 * MEMBER / 1e6, (base, result)
 
 

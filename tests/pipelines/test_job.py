@@ -92,6 +92,42 @@ def test_exits_zero_with_quarantined_items_and_prints_a_summary(tmp_path, corpus
     assert ShardSet(tmp_path / "out").manifest["counts"]["rejected"] == {"empty_file": 1}
 
 
+def test_a_run_that_writes_nothing_exits_2_and_keeps_the_old_set(tmp_path, corpus, prepare):
+    # It used to exit 0 with an empty set, and pre-training then said "lower batch_size or num_workers".
+    bad = tmp_path / "bad"
+    for i in range(3):
+        (bad / "c0").mkdir(parents=True, exist_ok=True)
+        (bad / "c0" / f"{i}.jpg").write_text("not a picture")
+    (bad / "c0" / "3.jpg").write_bytes(b"")
+    out = tmp_path / "out"
+    old = prepare(input=[str(corpus / "c0")], output=str(out), size=32)
+    r = _job("--input", str(bad), "--output", str(out), "--size", "32", "--workers", "1", "--overwrite")
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("prepare: error:")]
+    assert "4 inputs -> 0 written" in line and "most common reason: not_an_image (3)" in line
+    assert "the shard set already there is kept" in line
+    assert ShardSet(out).manifest["shards"] == old["shards"] and ShardSet(out).manifest["sources"] == old["sources"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".prepare")) == []
+
+    r = _job("--input", str(bad), "--output", str(tmp_path / "new"), "--size", "32", "--workers", "1")
+    assert r.returncode == 2 and "no shard set was written" in r.stderr
+    assert not (tmp_path / "new" / "manifest.json").exists()
+
+
+def test_most_items_rejected_for_one_reason_is_warned_in_one_line(tmp_path, corpus):
+    import shutil
+
+    src = tmp_path / "src"
+    (src / "c0").mkdir(parents=True)
+    shutil.copy(sorted((corpus / "c0").iterdir())[0], src / "c0" / "good.png")
+    for i in range(3):
+        (src / "c0" / f"{i}.cls").write_text(str(i))
+    r = _job("--input", str(src), "--output", str(tmp_path / "out"), "--size", "32", "--workers", "1")
+    assert r.returncode == 0, r.stderr[-2000:]
+    (line,) = [x for x in r.stderr.splitlines() if "warning" in x]
+    assert "3 of 4 inputs were quarantined as not_an_image" in line and ".cls" in line
+
+
 def _popen(corpus, out, *extra):
     return subprocess.Popen(
         [sys.executable, JOB, "--input", str(corpus), "--output", str(out), "--store", "raw", "--shard-mb", "0.05",

@@ -23,6 +23,21 @@ def test_too_few_rows_for_one_batch_is_refused_before_ray_starts(small_demo, tmp
     assert not (tmp_path / "o" / "ray").exists()  # refused before Ray Train made its run folder
 
 
+def test_an_unlabelled_set_with_the_classification_objective_is_refused_before_ray(unlabelled_shards, tiny_shards,
+                                                                                   tmp_path):
+    # It used to fail inside a worker, suggesting label_mode='multi', which is no flag.
+    import ray
+
+    ray_was_up = ray.is_initialized()
+    with pytest.raises(ConfigError, match=r"data: .* is unlabelled \(none of its 16 rows has a label\); "
+                                          r"pre-train an unlabelled set with --objective mpp"):
+        run_pretrain(PretrainConfig(data=str(unlabelled_shards), output=str(tmp_path / "o"), batch_size=4))
+    with pytest.raises(ConfigError, match=r"fewshot_data: .* is unlabelled"):
+        run_pretrain(PretrainConfig(data=str(tiny_shards), output=str(tmp_path / "o"), batch_size=4,
+                                    fewshot_data=str(unlabelled_shards), fewshot_every=10))
+    assert ray.is_initialized() == ray_was_up and not (tmp_path / "o" / "ray").exists()
+
+
 def test_mpp_objective_trains_and_saves_a_backbone(small_demo, tmp_path):
     shards = small_demo["work"] / "shards" / "corpus"
     cfg = PretrainConfig(

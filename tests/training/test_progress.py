@@ -45,6 +45,7 @@ def test_pretrain_prints_step_lines_on_the_driver_and_none_of_rays_chatter(shard
     assert len(steps) >= 2, r.stderr
     assert all(int(m.group(2)) == summary["planned_steps"] for m in steps)  # "out of total"
     assert any("ETA" in line for line in lines if STEP.match(line))
-    assert [int(m.group(1)) for m in epochs] == [0, 1], r.stderr  # one line per report, not one per rank
+    # One line per report, not one per rank, and the last one says --epochs, not one less.
+    assert [int(m.group(1)) for m in epochs] == [1, 2], r.stderr
     assert int(epochs[-1].group(2)) == summary["steps"]
     assert not [line for line in lines if any(n in line for n in NOISE)], r.stderr

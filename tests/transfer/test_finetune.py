@@ -38,17 +38,37 @@ def test_missing_train_shards_are_named(tmp_path):
         run_finetune(cfg)
 
 
-def test_a_split_whose_every_image_was_quarantined_is_refused_before_ray(tmp_path, mlflow_store):
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
+def test_a_split_whose_every_row_was_removed_is_refused_before_ray(tmp_path, tiny_shards):
+    import shutil
 
-    (tmp_path / "src" / "a").mkdir(parents=True)
-    (tmp_path / "src" / "a" / "x.jpg").write_bytes(b"")  # quarantined: the shard set has no rows
-    run_prepare(PrepareConfig(input=[str(tmp_path / "src")], output=str(tmp_path / "empty"), workers=1))
-    cfg = FinetuneConfig(train=str(tmp_path / "empty"), test=str(tmp_path / "empty"), output=str(tmp_path / "o"))
+    from pipelines.schema import ShardSet, append_removed
+
+    empty = tmp_path / "empty"
+    shutil.copytree(tiny_shards, empty)
+    append_removed(empty, [{"key": row["key"]} for row in ShardSet(empty)])  # dedup removed every row
+    cfg = FinetuneConfig(train=str(empty), test=str(empty), output=str(tmp_path / "o"))
     with pytest.raises(ConfigError, match="train: .*empty has 0 rows, too few to hold out"):
         run_finetune(cfg)
     assert not (tmp_path / "o").exists()
+
+
+def test_an_unlabelled_split_is_refused_before_ray(tmp_path, unlabelled_shards, tiny_shards):
+    import ray
+
+    ray_was_up = ray.is_initialized()
+    cfg = FinetuneConfig(train=str(tiny_shards), test=str(unlabelled_shards), output=str(tmp_path / "o"))
+    with pytest.raises(ConfigError, match=r"test: .* is unlabelled \(none of its 16 rows has a label\); "
+                                          "fine-tuning needs labelled splits"):
+        run_finetune(cfg)
+    assert ray.is_initialized() == ray_was_up and not (tmp_path / "o").exists()
+
+
+def test_the_run_is_named_after_the_dataset_when_one_is_given():
+    from transfer.finetune import run_name
+
+    cfg = FinetuneConfig(train="/d/rot4/train800", test="/t", dataset="rot4", pretrained="/m/pre/model.safetensors")
+    assert run_name(cfg, "rot4/train800") == "finetune rot4 from pre"
+    assert run_name(FinetuneConfig(train="/d/x/train800", test="/t"), "x/train800") == "finetune x/train800"
 
 
 def test_dev_fractions_follow_the_paper_and_are_configurable():

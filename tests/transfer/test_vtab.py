@@ -143,6 +143,17 @@ def test_missing_task_exits_2_naming_the_task_and_the_converter(tmp_path, tasks)
         resolve_tasks(None, [f"weird/x={tasks['digits']}"])
 
 
+def test_an_unlabelled_task_is_refused_before_any_trial(tmp_path, unlabelled_shards):
+    # vtab and fewshot both resolve their tasks here, before Ray starts.
+    import shutil
+
+    for split in ("train800", "val200", "test"):
+        shutil.copytree(unlabelled_shards, tmp_path / "mine" / split)
+    with pytest.raises(ConfigError, match=r"task mine: .*train800 is unlabelled \(none of its 16 rows has a label\); "
+                                          r"a task needs labelled splits; prepare it with: python jobs/vtab_prepare.py"):
+        resolve_tasks(None, [f"structured/mine={tmp_path / 'mine'}"])
+
+
 @pytest.fixture(scope="module")
 def vtab_run(tasks, pretrained, tmp_path_factory, ray_session):
     home = tmp_path_factory.mktemp("vtab-mlruns")

@@ -1,0 +1,105 @@
+"""Labels for a flat folder of images from a label file (``--labels``), as ImageNet's validation set ships.
+
+Two forms:
+
+* ``LOC_val_solution.csv`` (Kaggle): ``ImageId,PredictionString`` rows, the string
+  ``"wnid x y x y ..."``; an image's label is its first WNID. Rows match files by name without
+  the extension.
+* the devkit's ``ILSVRC2012_validation_ground_truth.txt``: one 1-based ILSVRC id per line, in
+  the sorted order of the folder's file names, with ``--synsets`` to name the ids: a list of
+  WNIDs in id order (``LOC_synset_mapping.txt``'s first column), or the devkit's ``meta.mat``.
+
+Only items without a label are labelled; the class ids then follow the default sorted names.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import posixpath
+
+import fsspec
+
+from pipelines.sources.base import SourceError, Unit
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with fsspec.open(path, "rt", encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise SourceError(f"{flag}: {path} not found; pass an existing label file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SourceError(f"{flag}: {path} cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def _solution_csv(text: str, path: str) -> dict[str, str]:
+    rows = csv.DictReader(io.StringIO(text))
+    if not {"ImageId", "PredictionString"} <= set(rows.fieldnames or ()):
+        raise SourceError(f"labels: {path} has columns {rows.fieldnames}, not ImageId,PredictionString; pass "
+                          "LOC_val_solution.csv or the devkit's ground-truth file with --synsets")
+    out = {}
+    for n, row in enumerate(rows, 2):
+        words = (row.get("PredictionString") or "").split()
+        if not words:
+            raise SourceError(f"labels: {path}:{n}: {row.get('ImageId')} has an empty PredictionString")
+        out[row["ImageId"]] = words[0]
+    return out
+
+
+def read_synsets(path: str) -> list[str]:
+    """The WNIDs in ILSVRC id order (id 1 first): from a list file (first word a line) or the devkit's ``meta.mat``."""
+    if path.lower().endswith(".mat"):
+        import scipy.io
+
+        try:
+            with fsspec.open(path, "rb") as f:
+                synsets = scipy.io.loadmat(f, squeeze_me=True)["synsets"]
+            # The 1,000 classes are the leaves of its 1,860 synsets, ids 1..1000 (as torchvision reads it).
+            leaves = sorted((int(s["ILSVRC2012_ID"]), str(s["WNID"])) for s in synsets if int(s["num_children"]) == 0)
+        except (OSError, KeyError, ValueError, TypeError, IndexError) as exc:
+            raise SourceError(f"synsets: {path} is not the devkit's meta.mat ({type(exc).__name__}: {exc}); "
+                              "pass it or a file of WNIDs, one a line in id order") from None
+        return [wnid for _, wnid in leaves]
+    names = [line.split()[0] for line in _read_text(path, "synsets").splitlines() if line.strip()]
+    if not names:
+        raise SourceError(f"synsets: {path} is empty; pass a file of WNIDs, one a line in id order")
+    return names
+
+
+def _ground_truth(text: str, path: str, synsets: list[str], files: list[str]) -> dict[str, str]:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) != len(files):
+        raise SourceError(f"labels: {path} has {len(lines)} lines but the input has {len(files)} unlabelled "
+                          "files; its line i labels the i-th file in sorted name order, so the counts must match")
+    out = {}
+    for n, (line, name) in enumerate(zip(lines, sorted(files)), 1):
+        if not line.isdigit() or not 1 <= int(line) <= len(synsets):
+            raise SourceError(f"labels: {path}:{n}: {line!r} is not an id in 1..{len(synsets)} of --synsets")
+        out[name] = synsets[int(line) - 1]
+    return out
+
+
+def _stem(uri: str) -> str:
+    return posixpath.splitext(posixpath.basename(uri))[0]
+
+
+def label_files(units: list[Unit], labels: str, synsets: str | None) -> list[Unit]:
+    """``units`` with every unlabelled file labelled from ``labels``; a SourceError when a file has no
+    label there or the file cannot be used."""
+    unlabelled = [uri for u in units if u.kind == "files" and u.error is None
+                  for uri, lab in zip(u.uris, u.labels) if not lab]
+    text = _read_text(labels, "labels")
+    if text.lstrip().split(",", 1)[0].strip().lstrip("\ufeff") == "ImageId":
+        by_name = _solution_csv(text, labels)
+    elif synsets is None:
+        raise SourceError(f"labels: {labels} is not LOC_val_solution.csv; a ground-truth file of ids needs "
+                          "--synsets (the devkit's meta.mat or a WNID list)")
+    else:
+        by_name = _ground_truth(text, labels, read_synsets(synsets), [_stem(u) for u in unlabelled])
+    missing = [uri for uri in unlabelled if _stem(uri) not in by_name]
+    if missing:
+        raise SourceError(f"labels: {len(missing)} of {len(unlabelled)} unlabelled files have no label in {labels}, "
+                          f"e.g. {missing[0]}; pass the label file of this folder")
+    return [dataclasses.replace(u, labels=tuple(lab or (by_name[_stem(uri)],) for uri, lab in zip(u.uris, u.labels)))
+            if u.kind == "files" and u.error is None else u for u in units]
