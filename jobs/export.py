@@ -48,5 +48,9 @@ def export(cfg: ExportConfig) -> None:
           f"load it with timm.create_model('local-dir:{r.output}', pretrained=True)")
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_job(ExportConfig, export, argv, prog="export")
+
+
 if __name__ == "__main__":
-    sys.exit(run_job(ExportConfig, export, prog="export"))
+    sys.exit(main())

@@ -17,5 +17,9 @@ def fewshot(cfg: FewshotConfig) -> None:
     print(f"results: {r['output']}/{RESULTS_FILE}, MLflow run {r['mlflow_run_id']}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_job(FewshotConfig, fewshot, argv, prog="fewshot")
+
+
 if __name__ == "__main__":
-    sys.exit(run_job(FewshotConfig, fewshot, prog="fewshot"))
+    sys.exit(main())

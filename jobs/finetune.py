@@ -10,5 +10,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import run_job  # noqa: E402
 from transfer.finetune import FinetuneConfig, run_finetune  # noqa: E402
 
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job(FinetuneConfig, run_finetune, argv, prog="finetune")
+
+
 if __name__ == "__main__":
-    sys.exit(run_job(FinetuneConfig, run_finetune, prog="finetune"))
+    sys.exit(main())

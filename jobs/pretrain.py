@@ -12,5 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import run_job  # noqa: E402
 from training.pretrain import PretrainConfig, run_pretrain  # noqa: E402
 
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job(PretrainConfig, run_pretrain, argv, prog="pretrain")
+
+
 if __name__ == "__main__":
-    sys.exit(run_job(PretrainConfig, run_pretrain, prog="pretrain"))
+    sys.exit(main())

@@ -19,5 +19,9 @@ def vtab(cfg: VtabConfig) -> None:
     print(f"results: {r['output']}/{RESULTS_FILE}, chart: {r['output']}/{CHART_FILE}, MLflow run {r['mlflow_run_id']}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    return run_job(VtabConfig, vtab, argv, prog="vtab")
+
+
 if __name__ == "__main__":
-    sys.exit(run_job(VtabConfig, vtab, prog="vtab"))
+    sys.exit(main())

@@ -12,5 +12,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.cli import run_job  # noqa: E402
 from transfer.vtab_data import VtabPrepareConfig, run_vtab_prepare  # noqa: E402
 
+
+def main(argv: list[str] | None = None) -> int:
+    return run_job(VtabPrepareConfig, run_vtab_prepare, argv, prog="vtab_prepare")
+
+
 if __name__ == "__main__":
-    sys.exit(run_job(VtabPrepareConfig, run_vtab_prepare, prog="vtab_prepare"))
+    sys.exit(main())

@@ -1,6 +1,7 @@
 """Fixtures shared across the suite: one Ray instance for the whole session, a throwaway MLflow store."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import socket
@@ -60,6 +61,38 @@ def _no_tracking_uri_leaks():
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     else:
         os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+_JOBS: dict[str, object] = {}
+
+
+def _job_main(capfd, cwd: Path, name: str, *args: str) -> subprocess.CompletedProcess:
+    if name not in _JOBS:
+        spec = importlib.util.spec_from_file_location(f"_job_{name}", REPO / "jobs" / f"{name}.py")
+        _JOBS[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_JOBS[name])
+    capfd.readouterr()
+    environ, before = dict(os.environ), os.getcwd()  # run_job records --verbose there for the job's processes
+    os.chdir(cwd)
+    try:
+        returncode = _JOBS[name].main(list(args))
+    except SystemExit as exc:  # argparse's refusals
+        returncode = exc.code
+    finally:
+        os.chdir(before)
+        os.environ.clear()
+        os.environ.update(environ)
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess([f"jobs/{name}.py", *args], returncode, out, err)
+
+
+@pytest.fixture
+def job_main(capfd, tmp_path):
+    """``job_main(name, *args)`` -> ``jobs/<name>.py``'s ``main(args)`` run in this process, in the
+    test's ``tmp_path``, as a ``CompletedProcess`` with its exit status and the stdout and stderr it
+    wrote (file descriptors included). For a refusal's message: it skips a fresh interpreter's
+    imports, not the job's code."""
+    return lambda name, *args: _job_main(capfd, tmp_path, name, *args)
 
 
 def _free_port() -> int:

@@ -1,5 +1,10 @@
 """Every stage is its own entrypoint: --help and clear usage errors. (`ray job submit` of a
-stage runs on the two-node cluster of tests/jobs/test_pretrain_cluster.py.)"""
+stage runs on the two-node cluster of tests/jobs/test_pretrain_cluster.py.)
+
+Each entrypoint runs as its own process in ``test_help`` (and where the test is about another
+process); a test about a refusal's message calls the job's ``main(argv)`` in this process, which
+parses, refuses and exits the same way without paying for a fresh interpreter's imports
+(the ``job_main`` fixture)."""
 import os
 import subprocess
 import sys
@@ -52,8 +57,8 @@ def test_help(name):
         ("fewshot", ["--pretrained", "/no/m.safetensors", "--task", "dtd=/x"], "pretrained: /no/m.safetensors does not exist"),
     ],
 )
-def test_usage_errors_exit_2_and_name_the_problem(name, args, message):
-    out = run_job(name, *args)
+def test_usage_errors_exit_2_and_name_the_problem(name, args, message, job_main):
+    out = job_main(name, *args)
     assert_one_line_exit_2(out, name, message)
 
 
@@ -67,46 +72,46 @@ def test_usage_errors_exit_2_and_name_the_problem(name, args, message):
         ("demo", ["--workdir", "{tmp}/a_file"], "workdir: {tmp}/a_file is an existing file"),
     ],
 )
-def test_a_missing_input_is_one_line_that_names_it_exit_2(name, args, message, tmp_path):
+def test_a_missing_input_is_one_line_that_names_it_exit_2(name, args, message, tmp_path, job_main):
     (tmp_path / "a_file").write_text("not a folder")
-    out = run_job(name, *[a.format(tmp=tmp_path) for a in args])
+    out = job_main(name, *[a.format(tmp=tmp_path) for a in args])
     assert_one_line_exit_2(out, name, message.format(tmp=tmp_path))
     assert not (tmp_path / "out").exists()  # refused before anything was written
 
 
 @pytest.mark.parametrize("name", JOBS)
-def test_an_unknown_flag_is_one_line_with_a_pointer_to_help(name):
-    out = run_job(name, "--no-such-flag", "1")
+def test_an_unknown_flag_is_one_line_with_a_pointer_to_help(name, job_main):
+    out = job_main(name, "--no-such-flag", "1")
     assert_one_line_exit_2(out, name, "unrecognized arguments: --no-such-flag 1")
     assert f"run {name} --help" in error_lines(out, name)[0]
 
 
 @pytest.mark.parametrize("lrs", [["--lrs", "-0.1,0.01"], ["--lrs=-0.1,0.01"]])
-def test_a_negative_value_reaches_its_fields_check(lrs):
+def test_a_negative_value_reaches_its_fields_check(lrs, job_main):
     # argparse alone reads "-0.1,0.01" as a flag and says "expected one argument".
-    out = run_job("finetune", "--train", "/a", "--test", "/b", *lrs)
+    out = job_main("finetune", "--train", "/a", "--test", "/b", *lrs)
     assert_one_line_exit_2(out, "finetune", "lrs: every learning rate must be positive, got [-0.1, 0.01]")
 
 
 @pytest.mark.parametrize("name", ["pretrain", "finetune"])
-def test_an_output_that_is_a_file_is_one_line_exit_2(name, tiny_shards, tmp_path):
+def test_an_output_that_is_a_file_is_one_line_exit_2(name, tiny_shards, tmp_path, job_main):
     output = tmp_path / "model_out"
     output.write_text("an existing file")
     data = ["--data", str(tiny_shards), "--batch-size", "4", "--num-workers", "1"] if name == "pretrain" else \
         ["--train", str(tiny_shards), "--test", str(tiny_shards)]
-    out = run_job(name, *data, "--output", str(output))
+    out = job_main(name, *data, "--output", str(output))
     assert_one_line_exit_2(out, name, f"output: {output} is an existing file; give a directory")
     assert output.read_text() == "an existing file"
 
 
-def test_an_image_size_the_patch_does_not_divide_is_refused_by_the_config(tmp_path):
+def test_an_image_size_the_patch_does_not_divide_is_refused_by_the_config(tmp_path, job_main):
     # It used to reach the model inside Ray's workers: 25 s, exit 1 and 68 lines.
     from common.config import ConfigError
     from training.pretrain import PretrainConfig
 
     with pytest.raises(ConfigError, match="img_size: 30 is not a multiple of the patch size 8 of Ti/8; use e.g. 32"):
         PretrainConfig(data=str(tmp_path), variant="Ti/8", img_size=30)
-    out = run_job("pretrain", "--data", str(tmp_path), "--variant", "Ti/8", "--img-size", "30")
+    out = job_main("pretrain", "--data", str(tmp_path), "--variant", "Ti/8", "--img-size", "30")
     assert_one_line_exit_2(out, "pretrain", "img_size: 30 is not a multiple of the patch size 8")
     assert "Ray" not in out.stderr
     # Refused from the flags alone: Ray is not even imported (starting it is what took the 25 s).
@@ -119,13 +124,13 @@ def test_an_image_size_the_patch_does_not_divide_is_refused_by_the_config(tmp_pa
 
 
 @pytest.mark.parametrize("job,flag", [("pretrain", "--data"), ("finetune", "--train")])
-def test_an_image_folder_given_as_shards_gets_a_prepare_command_that_works(tmp_path, job, flag):
+def test_an_image_folder_given_as_shards_gets_a_prepare_command_that_works(tmp_path, job, flag, job_main):
     # It used to suggest `jobs/prepare.py --output <the same folder>`, which prepare refuses.
     folder = tmp_path / "photos"
     (folder / "cat").mkdir(parents=True)
     (folder / "cat" / "a.jpg").write_bytes(b"\xff\xd8\xff")
     extra = ["--test", str(folder)] if job == "finetune" else []
-    out = run_job(job, flag, str(folder), *extra)
+    out = job_main(job, flag, str(folder), *extra)
     assert_one_line_exit_2(out, job, f"--input {folder} --output {folder}-shards")
 
 
@@ -144,12 +149,12 @@ def not_checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("job", ["finetune", "vtab", "fewshot"])
 @pytest.mark.parametrize("file", ["config.json", "model.pt", "renamed.safetensors"])
 def test_a_pretrained_file_that_is_not_a_checkpoint_is_refused_before_ray(job, file, not_checkpoints, tiny_shards,
-                                                                          tmp_path):
+                                                                          tmp_path, job_main):
     # It used to fail inside every Ray Tune trial, retries included: 24 s, exit 1, 172 lines.
     path = not_checkpoints / file
     data = {"finetune": ["--train", str(tiny_shards), "--test", str(tiny_shards)],
             "vtab": ["--task", f"dtd={tmp_path}"], "fewshot": ["--task", f"dtd={tmp_path}"]}[job]
-    out = run_job(job, "--pretrained", str(path), *data, "--output", str(tmp_path / "out"))
+    out = job_main(job, "--pretrained", str(path), *data, "--output", str(tmp_path / "out"))
     assert_one_line_exit_2(out, job, f"pretrained: {path}: not a readable safetensors checkpoint")
     assert "model.safetensors that jobs/pretrain.py" in error_lines(out, job)[0]
     assert "Ray" not in out.stderr and not (tmp_path / "out").exists()

@@ -50,7 +50,7 @@ def test_export_writes_the_folder_and_says_how_to_load_it(model_file, tmp_path):
      "label_map: {tmp}/two.txt: 2 class names for a head of 3 outputs"),
     (["--model", "{model}"], "required field(s) missing: output"),
 ])
-def test_a_bad_input_is_one_line_that_names_it_exit_2(model_file, tmp_path, args, message):
+def test_a_bad_input_is_one_line_that_names_it_exit_2(model_file, tmp_path, args, message, job_main):
     save_file({"w": torch.zeros(2)}, tmp_path / "foreign.safetensors")
     (tmp_path / "text.safetensors").write_text("not a model")
     vitcore.save_checkpoint(vitcore.create_model("mu/8", img_size=16, num_classes=3, depth=1, representation_size=8),
@@ -58,7 +58,7 @@ def test_a_bad_input_is_one_line_that_names_it_exit_2(model_file, tmp_path, args
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     (tmp_path / "two.txt").write_text("a\nb\n")
-    out = export(*[a.format(tmp=tmp_path, model=model_file) for a in args])
+    out = job_main("export", *[a.format(tmp=tmp_path, model=model_file) for a in args])
     assert out.returncode == 2, out.stdout + out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("export: ")]
     assert len(lines) == 1 and message.format(tmp=tmp_path) in lines[0], out.stderr

@@ -1,8 +1,5 @@
 """Pre-training at scale on real Ray: accumulation, step checkpoints, resume, strategies, metrics."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import mlflow
@@ -16,7 +13,6 @@ from training.checkpointer import TRAIN_STATE
 from training.pretrain import PretrainConfig, run_pretrain
 from training.trainer import epoch_rows
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = dict(variant="Ti/8", depth=1, img_size=32, num_workers=1, warmup_steps=2, holdout=0.1, log_every=2)
 
 
@@ -26,10 +22,8 @@ TINY = dict(variant="Ti/8", depth=1, img_size=32, num_workers=1, warmup_steps=2,
     (["--checkpoint-every", "0"], "checkpoint_every: must be a positive integer, got 0"),
     (["--strategy", "zero3"], "strategy: expected one of 'ddp', 'fsdp'"),
 ])
-def test_bad_config_fails_before_any_worker_starts(args, message, tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "jobs" / "pretrain.py"), "--data", str(tmp_path), *args],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                         env=dict(os.environ, PYTHONPATH=str(REPO)))
+def test_bad_config_fails_before_any_worker_starts(args, message, tmp_path, job_main):
+    out = job_main("pretrain", "--data", str(tmp_path), *args)  # run in tmp_path
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and message in out.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "pretrain_output").exists()
