@@ -97,7 +97,7 @@ class PrepareConfig:
     format: str = dataclasses.field(
         default="auto",
         metadata={"help": "how to read every --input: auto (decided from its content, and said in one line), or "
-                          "one of the readers: folder, tar, webdataset, hf_parquet, manifest, shard_set, files"},
+                          "one of the readers: folder, tar, webdataset, hf_parquet, imagenet, manifest, shard_set, files"},
     )
     label_key: str | None = dataclasses.field(
         default=None,

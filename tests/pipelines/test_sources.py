@@ -244,5 +244,5 @@ def test_a_named_format_reads_the_source_as_that_format_and_an_unknown_one_is_re
     assert plan(str(tmp_path / "a.tar"), fmt="tar") == plan(str(tmp_path / "a.tar"))
     (unit,) = plan(str(tmp_path / "a.tar"), fmt="files")  # named, the format decides, not the suffix
     assert unit.kind == "files"
-    with pytest.raises(SourceError, match="format .wds. is not known; use one of shard_set, webdataset, hf_parquet, folder, tar, manifest"):
+    with pytest.raises(SourceError, match="format .wds. is not known; use one of shard_set, webdataset, hf_parquet, folder, imagenet, tar, manifest"):
         plan(str(tmp_path / "a.tar"), fmt="wds")
