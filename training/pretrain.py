@@ -460,11 +460,15 @@ def _resume_point(cfg: PretrainConfig, storage: tuple[str, Any], known: list[str
     storage_path, storage_fs = storage
     if storage_fs is not None:  # on remote storage the workers take Ray Train's record
         return {}
-    folder, record, _ = scan_run(Path(storage_path) / cfg.run_name, known)
+    folder, record, _, bad = scan_run(Path(storage_path) / cfg.run_name, known, verify=True)
     if folder is None:
         return {}
     check_resumable(record["cfg"], dataclasses.asdict(cfg), free_on_resume(cfg))
-    return {"resume_from": str(folder), "resume_step": int(record["step"])}
+    if bad:
+        print(f"pretrain: warning: checkpoint: {', '.join(map(str, bad))} does not match the sha256 its "
+              f"checkpoint.json records; resuming from {folder} at step {record['step']} instead (remove the "
+              "bad folder once you have looked at it)", file=sys.stderr)
+    return {"resume_from": str(folder), "resume_step": int(record["step"]), "resume_skip": [p.name for p in bad]}
 
 
 def _kept(cfg: PretrainConfig, storage: tuple[str, Any], total_steps: int) -> str:
