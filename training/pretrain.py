@@ -35,7 +35,7 @@ from common.cli import Interrupted, interrupts
 from common.config import ConfigError, check
 from common.fs import atomic_write, make_output_dir, url_to_fs
 from common.jobenv import durable_path, is_url
-from common.locks import FolderLock
+from common.locks import FolderLock, check_owner, claim_folder
 from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progress_every
 from common.tracking_queue import SPOOL_DIR
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
@@ -293,7 +293,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
     storage = _storage(cfg, Path(cfg.output))
     # One run at a time in an output folder: two would resume the same run into the same checkpoints.
+    check_owner(cfg.output, "pretrain")
     with FolderLock(make_output_dir(Path(cfg.output)), "pretrain"):
+        claim_folder(cfg.output, "pretrain")
         cfg, resume, output, reopen = _claim(cfg, storage)
         _warn_one_class(cfg, shards)
         init_ray(cfg.ray_address)
