@@ -105,6 +105,10 @@ def report_final(metrics: dict, model) -> None:
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
 
+# Tuner.restore reloads these from the sweep's own record, so a resume cannot change them.
+RESTORED_KEYS = ("max_concurrent", "max_failures")
+
+
 def state_file(stage: str) -> str:
     """The sweep state's file name: one per stage, so that no stage reads or replaces another's."""
     return f"{stage}_sweep_state.json"
@@ -137,7 +141,7 @@ def open_sweep_state(output: Path, config: Mapping[str, Any], *, stage: str,
     old = state.get("config", {})
     # Compared as saved: JSON has lists, not tuples, and strings for what it cannot hold.
     now = json.loads(json.dumps(dict(config), default=str))
-    changed = changed_fields(old, now, fresh_keys)
+    changed = changed_fields(old, now, set(fresh_keys) - set(RESTORED_KEYS))
     if changed:
         diffs = ", ".join(f"{k}: sweep {old.get(k)!r}, now {now.get(k)!r}" for k in changed)
         raise ConfigError(f"output: {output} holds a {stage} sweep run with other flags ({diffs}); re-run with "

@@ -14,9 +14,12 @@ def test_a_resumed_sweep_refuses_changed_flags_but_not_where_it_runs(tmp_path):
     config = {"lrs": [0.01, 0.03], "steps": 5, "max_concurrent": 0, "dev_fractions": None, "sizes": (1, 2)}
     assert open_sweep_state(tmp_path, config, stage="finetune") is None
     save_sweep_state(tmp_path, config, "run-1", stage="finetune")
-    resumed = open_sweep_state(tmp_path, {**config, "max_concurrent": 4}, stage="finetune",
-                               fresh_keys={"max_concurrent"})
+    resumed = open_sweep_state(tmp_path, {**config, "ray_address": "auto"}, stage="finetune",
+                               fresh_keys={"ray_address", "max_concurrent"})
     assert resumed["mlflow_run_id"] == "run-1"  # a tuple saved as a JSON list is the same flag
+    with pytest.raises(ConfigError, match=r"other flags \(max_concurrent: sweep 0, now 4\)"):
+        # Tune's restore would keep the old value without a word.
+        open_sweep_state(tmp_path, {**config, "max_concurrent": 4}, stage="finetune", fresh_keys={"max_concurrent"})
     with pytest.raises(ConfigError) as refused:
         open_sweep_state(tmp_path, {**config, "steps": 10, "lrs": [0.1]}, stage="finetune")
     assert str(refused.value) == (
