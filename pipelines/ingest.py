@@ -299,4 +299,7 @@ def _ingest(job: _Job, plan_dir: str) -> dict:
     fs.rm(folder_of_run, recursive=True)
     fs.rm(plan_dir, recursive=True)
     _log_run(job, summary, wall, p)
+    if job.folder.held_signal:  # it came during the swap: the new set is whole and logged, then the stage stops
+        tracking.end_active_run("FINISHED")
+        raise Interrupted(job.folder.held_signal, f"{cfg.output} holds the new shard set, complete")
     return manifest

@@ -40,3 +40,24 @@ def test_a_lock_file_from_another_host_is_named_with_the_fix():
     fs.pipe(f"/output-lock/remote/{LOCK}", json.dumps({"host": "node-7", "pid": 4242}).encode())
     with pytest.raises(FolderBusy, match=f"pid 4242 on node-7.*if that process is gone, delete .*{LOCK}"):
         OutputFolder("memory://output-lock/remote", ["/src"]).__enter__()
+
+
+def test_a_signal_during_the_swap_is_handed_to_the_run_not_re_sent_into_its_clean_up(tmp_path):
+    # Re-sent as the swap ended, it cut short the run's clean-up: staging and plan folders stayed,
+    # and the MLflow run never got its tags, though the new set was whole.
+    import signal
+
+    class SignalledWhileWritten(dict):
+        def items(self):
+            os.kill(os.getpid(), signal.SIGINT)  # arrives inside the swap
+            return super().items()
+
+    (tmp_path / "staged").mkdir()
+    (tmp_path / "staged" / "shard-00000.arrow").write_bytes(b"rows")
+    out = tmp_path / "out"
+    out.mkdir()
+    manifest = {"sources": ["/src"], "shards": [{"path": "shard-00000.arrow", "sha256": "x"}]}
+    with OutputFolder(str(out), ["/src"]) as folder:
+        folder.swap(str(tmp_path / "staged"), manifest, SignalledWhileWritten({"quarantine.jsonl": b""}))
+        assert folder.held_signal == signal.SIGINT
+    assert json.loads((out / "manifest.json").read_text()) == manifest
