@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 from common.config import InputError
 from common.fs import atomic_write, is_local, read_json_object, url_to_fs
-from common.locks import FolderLock, lock_name
+from common.locks import FolderLock, check_owner, lock_name
 from pipelines import schema
 
 LOCK = lock_name("prepare")
@@ -79,6 +79,8 @@ class OutputFolder:
         self.held_signal: int | None = None
 
     def __enter__(self) -> "OutputFolder":
+        if is_local(self.fs):  # a set is known by its manifest.json; another stage's folder is not ours to fill
+            check_owner(self.root, "prepare")
         self._lock.acquire()
         try:
             self._check_replaceable()

@@ -61,3 +61,13 @@ def test_a_signal_during_the_swap_is_handed_to_the_run_not_re_sent_into_its_clea
         folder.swap(str(tmp_path / "staged"), manifest, SignalledWhileWritten({"quarantine.jsonl": b""}))
         assert folder.held_signal == signal.SIGINT
     assert json.loads((out / "manifest.json").read_text()) == manifest
+
+
+def test_prepare_into_a_folder_another_stage_owns_is_refused_before_it_writes(tmp_path):
+    from common.config import InputError
+    from common.locks import claim_folder
+
+    claim_folder(tmp_path, "finetune")
+    with pytest.raises(InputError, match=r"belongs to a finetune run .* give this prepare run another --output"):
+        OutputFolder(str(tmp_path), ["/src"]).__enter__()
+    assert os.listdir(tmp_path) == [".vitscale-stage.json"]
