@@ -183,3 +183,50 @@ class FolderLock:
                 continue
             break
         raise self._busy(holder, f"wait for it to finish, or, if that process is gone, delete {self.path} and run again")
+
+
+#: Names, in a folder, the stage that owns it: two stages in one folder overwrite each other's state.
+OWNER_FILE = ".vitscale-stage.json"
+# What folders written before they named their owner hold, by the stage that wrote them.
+_OWNER_SIGNS = {"manifest.json": "prepare", "pretrain_run.json": "pretrain", "finetune_sweep_state.json": "finetune",
+                "vtab_sweep_state.json": "vtab"}
+
+
+def folder_owner(folder: os.PathLike) -> str | None:
+    """The stage that owns the local ``folder``: the one it records, else the one whose files it
+    holds (a folder written before owners were recorded); None for a folder no stage wrote."""
+    owner = read_json_object(url_to_fs(str(folder))[0], os.path.join(folder, OWNER_FILE)).get("stage")
+    if isinstance(owner, str):
+        return owner
+    for name, stage in _OWNER_SIGNS.items():
+        if os.path.exists(os.path.join(folder, name)):
+            return stage
+    legacy = read_json_object(url_to_fs(str(folder))[0], os.path.join(folder, "sweep_state.json")).get("config")
+    if isinstance(legacy, dict):
+        return "finetune" if "train" in legacy else "vtab"
+    return None
+
+
+def check_owner(folder: os.PathLike, stage: str, field_name: str = "output") -> None:
+    """Refuse, in one line, a ``stage`` run into a folder another stage owns (read-only: call it
+    before writing anything there)."""
+    owner = folder_owner(folder) if os.path.isdir(folder) else None
+    if owner not in (None, stage):
+        raise InputError(f"{field_name} {folder}: belongs to a {owner} run (its state is there, which this {stage} "
+                         f"run would overwrite); give this {stage} run another --{field_name}")
+
+
+def claim_folder(folder: os.PathLike, stage: str, field_name: str = "output") -> None:
+    """Record ``stage`` as the owner of the local ``folder``, or refuse as :func:`check_owner` does
+    when another stage claimed it first (two runs that both passed the check)."""
+    check_owner(folder, stage, field_name)
+    path = os.path.join(folder, OWNER_FILE)
+    tmp = f"{path}.{uuid.uuid4().hex}"
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"stage": stage}))
+    try:
+        os.link(tmp, path)  # whole, and only if no other run's record is there
+    except FileExistsError:
+        check_owner(folder, stage, field_name)
+    finally:
+        os.remove(tmp)

@@ -272,12 +272,16 @@ class DaskRunner(_beam_dask.DaskRunner):
         dask_options = options.view_as(_beam_dask.DaskOptions).get_all_options(drop_default=True, current_only=True)
         bag_kwargs = _beam_dask.DaskOptions._extract_bag_kwargs(dask_options)
         client = distributed.Client(**dask_options)
-        pipeline.replace_all(overrides())
-        visitor = _bag_visitor(bag_kwargs)
-        pipeline.visit(visitor)
-        # As in Beam: the last bag is the pipeline's sink, and its graph reaches every step before it.
-        graph = dask.optimize(list(visitor.bags.values())[-1])
-        return _Result(client, client.compute(graph))
+        try:
+            pipeline.replace_all(overrides())
+            visitor = _bag_visitor(bag_kwargs)
+            pipeline.visit(visitor)
+            # As in Beam: the last bag is the pipeline's sink, and its graph reaches every step before it.
+            graph = dask.optimize(list(visitor.bags.values())[-1])
+            return _Result(client, client.compute(graph))
+        except BaseException:  # a graph that cannot be translated or submitted: _Result never owns the client
+            client.close()
+            raise
 
 
 # -- clusters ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ new one replaces it. The same inputs give byte-identical shards.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -36,7 +37,7 @@ from common.config import InputError
 from common.fs import is_local, url_to_fs
 from common.jobenv import durable_path
 from common.progress import TTY_EVERY, IngestProgress, ProgressLine, Ticker
-from pipelines import direct_runner, runners, schema, staging, worker_counts
+from pipelines import direct_runner, runners, schema, space, staging, worker_counts
 from pipelines.accounting import (
     MAX_ATTEMPTS,
     AccountingError,
@@ -317,6 +318,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
     test_sets = cfg.test_sets()
     check_sources(test_sets)
     cfg = _open_output(cfg)
+    space.warn_if_short(cfg.output, cfg.input)
     params = vconfig.to_dict(cfg)
     # One writer per folder; the set already there stays readable until swap() (pipelines/output.py).
     with OutputFolder(cfg.output, cfg.input, overwrite=cfg.overwrite) as folder, \
@@ -327,25 +329,43 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             print(line, file=sys.stderr)
         fs, root = folder.fs, folder.root
         staging.clean_leftovers(fs, root)
-        plan_dir = staging.new_folder(fs, root, "plan")
-        job = _Job(cfg, folder, engine, run, staging.write_plan(units, fs.unstrip_protocol(plan_dir)), len(units),
-                   worker_counts.known_inputs(units), label_map, test_sets)
-        del units  # the plan is in its files now; the driver does not hold it while the job runs
-        job.index = _test_set_index(cfg, test_sets)
+        try:
+            with space.quiet_disk_errors():
+                plan_dir = staging.new_folder(fs, root, "plan")
+                job = _Job(cfg, folder, engine, run, staging.write_plan(units, fs.unstrip_protocol(plan_dir)),
+                           len(units), worker_counts.known_inputs(units), label_map, test_sets)
+                del units  # the plan is in its files now; the driver does not hold it while the job runs
+                return _ingest(job, plan_dir)
+        except Exception as exc:
+            code = space.disk_error(exc)
+            if code is None:
+                raise
+            with contextlib.suppress(OSError):  # this run's staging, not left for the next run
+                staging.clean_leftovers(fs, root)
+            raise PrepareError(space.disk_message(code, cfg.output, cfg.input)) from None
 
-        t0 = time.perf_counter()
-        summary, folder_of_run, p = _reconciled(job)
-        wall = time.perf_counter() - t0
-        manifest, quarantine, duplicates = summary
-        _warn_renumbered(manifest["label_map"] if label_map is None else {})
-        manifest["mlflow_run_id"] = run.info.run_id
-        manifest["config"] = params
-        _check_written(job, summary, [folder_of_run, plan_dir])
 
-        folder.swap(f"{folder_of_run}/shards", manifest,
-                    {schema.QUARANTINE: staging.jsonl(quarantine), schema.DUPLICATES: staging.jsonl(duplicates)})
-        # With it go the temporary files of workers killed while writing a shard (the task ran again elsewhere).
-        fs.rm(folder_of_run, recursive=True)
-        fs.rm(plan_dir, recursive=True)
-        _log_run(job, summary, wall, p)
+def _ingest(job: _Job, plan_dir: str) -> dict:
+    """Run and reconcile the pipeline of ``job``'s plan, then swap its set into the output; returns the manifest."""
+    cfg, fs, run = job.cfg, job.fs, job.run
+    job.index = _test_set_index(cfg, job.test_sets)
+
+    t0 = time.perf_counter()
+    summary, folder_of_run, p = _reconciled(job)
+    wall = time.perf_counter() - t0
+    manifest, quarantine, duplicates = summary
+    _warn_renumbered(manifest["label_map"] if job.label_map is None else {})
+    manifest["mlflow_run_id"] = run.info.run_id
+    manifest["config"] = vconfig.to_dict(cfg)
+    _check_written(job, summary, [folder_of_run, plan_dir])
+
+    job.folder.swap(f"{folder_of_run}/shards", manifest,
+                     {schema.QUARANTINE: staging.jsonl(quarantine), schema.DUPLICATES: staging.jsonl(duplicates)})
+    # With it go the temporary files of workers killed while writing a shard (the task ran again elsewhere).
+    fs.rm(folder_of_run, recursive=True)
+    fs.rm(plan_dir, recursive=True)
+    _log_run(job, summary, wall, p)
+    if job.folder.held_signal:  # it came during the swap: the new set is whole and logged, then the stage stops
+        tracking.end_active_run("FINISHED")
+        raise Interrupted(job.folder.held_signal, f"{cfg.output} holds the new shard set, complete")
     return manifest

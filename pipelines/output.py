@@ -22,7 +22,7 @@ from typing import Iterator, Sequence
 
 from common.config import InputError
 from common.fs import atomic_write, is_local, read_json_object, url_to_fs
-from common.locks import FolderLock, lock_name
+from common.locks import FolderLock, check_owner, lock_name
 from pipelines import schema
 
 LOCK = lock_name("prepare")
@@ -46,20 +46,19 @@ def _norm_sources(sources: Sequence[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends, then act as they would have."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def _signals_held() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM wait until the block ends; yields the list they land in, for the caller
+    to act on once it has cleaned up (re-sent at once, they cut short its clean-up and tags)."""
     caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
     old = {s: signal.signal(s, lambda signum, _frame: caught.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield caught
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
-        for s in caught[:1]:
-            os.kill(os.getpid(), s)
 
 
 class OutputFolder:
@@ -76,8 +75,12 @@ class OutputFolder:
         self.fs, self.root = url_to_fs(url)
         self.sources, self.overwrite = list(sources), overwrite
         self._lock = FolderLock(self.output, "prepare")
+        #: SIGINT or SIGTERM that came during :meth:`swap`, for the run to stop on after its clean-up.
+        self.held_signal: int | None = None
 
     def __enter__(self) -> "OutputFolder":
+        if is_local(self.fs):  # a set is known by its manifest.json; another stage's folder is not ours to fill
+            check_owner(self.root, "prepare")
         self._lock.acquire()
         try:
             self._check_replaceable()
@@ -121,7 +124,7 @@ class OutputFolder:
         same = old is not None and [(s.get("path"), s.get("sha256")) for s in old.get("shards", [])
                                     if isinstance(s, dict)] == [(s["path"], s["sha256"]) for s in manifest["shards"]]
         keep = {s["path"] for s in manifest["shards"]}
-        with _signals_held():
+        with _signals_held() as caught:
             if not same:
                 # Withdrawn first: a run killed from here on leaves no manifest, never an old one over new shards.
                 if old is not None:
@@ -140,3 +143,4 @@ class OutputFolder:
             for name, data in files.items():
                 atomic_write(f"{root}/{name}", data, fs)
             atomic_write(f"{root}/{schema.MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode(), fs)
+        self.held_signal = caught[0] if caught else None

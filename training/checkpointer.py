@@ -8,11 +8,12 @@ after a failure, or the same run submitted again, continues without replaying or
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
@@ -49,6 +50,27 @@ def read_record(folder: Path) -> dict | None:
     return None
 
 
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def corrupt_file(folder: Path, record: dict) -> str | None:
+    """The first file of a complete checkpoint whose bytes differ from the sha256 its record holds
+    (a disk or copy error the size check cannot see); None when all match, or the record, written
+    before checkpoints carried digests, has none."""
+    for name, digest in (record.get("sha256") or {}).items():
+        try:
+            if sha256_of(folder / name) != digest:
+                return name
+        except OSError:
+            return name
+    return None
+
+
 def _folders(run_dir: Path) -> list[Path]:
     return sorted(p for p in run_dir.glob("checkpoint_*") if p.is_dir()) if run_dir.is_dir() else []
 
@@ -61,16 +83,46 @@ def newest_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
     return (newest[2], newest[3]) if newest else (None, None)
 
 
-def scan_run(run_dir: Path, known: Iterable[str]) -> tuple[Path | None, dict | None, list[Path]]:
-    """:func:`newest_checkpoint`, after removing the checkpoint folders nothing will read: those that
-    Ray Train's snapshot does not list (``known``, folder names) and that are incomplete or older
-    than the newest complete one. Returns (folder or None, record or None, the folders removed)."""
+def newest_verified(run_dir: Path) -> tuple[Path | None, dict | None, list[Path]]:
+    """The newest complete checkpoint whose files match their sha256, its record, and the newer
+    complete ones that did not match, newest first; (None, None, bad) when none matches."""
+    complete = [(rec["step"], p.name, p, rec) for p in _folders(run_dir) if (rec := read_record(p)) is not None]
+    bad = []
+    for _, _, folder, record in sorted(complete, key=lambda c: (c[0], c[1]), reverse=True):
+        if corrupt_file(folder, record) is None:
+            return folder, record, bad
+        bad.append(folder)
+    return None, None, bad
+
+
+class Scan(NamedTuple):
+    folder: Path | None
+    record: dict | None
+    removed: list[Path]
+    corrupt: list[Path]  # newer complete folders that failed their sha256 (with ``verify``)
+
+
+def scan_run(run_dir: Path, known: Iterable[str], *, verify: bool = False) -> Scan:
+    """:func:`newest_checkpoint` (:func:`newest_verified` with ``verify``, which refuses in one line
+    when checkpoints exist and none verifies), after removing the checkpoint folders nothing will
+    read: those that Ray Train's snapshot does not list (``known``, folder names) and that are
+    incomplete or older than the newest complete one. A folder that failed its sha256 stays, for
+    its owner to look at."""
     known = set(known)
-    newest, record = newest_checkpoint(run_dir)
-    removed = [p for p in _folders(run_dir) if p.name not in known and p != newest]
+    bad: list[Path] = []
+    if verify:
+        newest, record, bad = newest_verified(run_dir)
+        if newest is None and bad:
+            names = ", ".join(str(p) for p in bad)
+            raise ConfigError(f"checkpoint: no checkpoint of run {run_dir.name!r} matches the sha256 its "
+                              f"checkpoint.json records ({names}); remove those folders to start again from "
+                              "step 0, or pass --overwrite")
+    else:
+        newest, record = newest_checkpoint(run_dir)
+    removed = [p for p in _folders(run_dir) if p.name not in known and p != newest and p not in bad]
     for p in removed:
         shutil.rmtree(p, ignore_errors=True)
-    return newest, record, removed
+    return Scan(newest, record, removed, bad)
 
 
 def gather(obj: Any) -> list:
@@ -170,8 +222,11 @@ class Checkpointer:
 
         ckpt = ray.train.get_checkpoint()
         # The driver's pick from disk (see scan_run) unless this fit has checkpointed since.
+        # Ray's pick is newer than the driver's only when this fit wrote it, or when it failed its sha256.
         on_disk = trainer.run.get("resume_from")
-        if on_disk and (not ckpt or _step_of(ckpt) < trainer.run.get("resume_step", 0)):
+        skip = set(trainer.run.get("resume_skip", ()))
+        if on_disk and (not ckpt or _step_of(ckpt) < trainer.run.get("resume_step", 0)
+                        or Path(ckpt.path).name in skip):
             ckpt = ray.train.Checkpoint(on_disk)
         if not ckpt:
             return
@@ -207,8 +262,10 @@ class Checkpointer:
                             "cfg": dataclasses.asdict(self.cfg)}, Path(d) / TRAIN_STATE)
                 vitcore.save_checkpoint(trainer.plain_model(state["model"]), Path(d) / MODEL_FILE,
                                         extra_metadata=label_metadata(trainer.label_names))
-                files = {name: (Path(d) / name).stat().st_size for name in (TRAIN_STATE, MODEL_FILE)}
-                (Path(d) / RECORD).write_text(json.dumps({"step": trainer.step, "files": files,
+                names = (TRAIN_STATE, MODEL_FILE)
+                files = {name: (Path(d) / name).stat().st_size for name in names}
+                digests = {name: sha256_of(Path(d) / name) for name in names}
+                (Path(d) / RECORD).write_text(json.dumps({"step": trainer.step, "files": files, "sha256": digests,
                                                           "cfg": dataclasses.asdict(self.cfg)}, default=str))
                 checkpoint = ray.train.Checkpoint.from_directory(d)
             ray.train.report({**metrics, "data_epoch": position.epoch, "data_offset": position.offset,

@@ -57,6 +57,7 @@ class MetricsSink:
         self.log_every, self.total_steps, self.end_step = log_every, total_steps, end_step
         self.peak_flops, self.flops_per_image = peak_flops, flops_per_image
         self.since_log, self.since_report = Window(), Window()
+        self._report_row: dict | None = None  # posted once its checkpoint is saved
 
     @property
     def logs_to_mlflow(self) -> bool:
@@ -135,10 +136,14 @@ class MetricsSink:
                    "train_accuracy": correct_all / max(1, seen_all),
                    "images_per_second": seen_all / max(elapsed, 1e-9), **held}
         self.log({k: v for k, v in metrics.items() if k != "step"}, step)
-        if self.posts_progress:
-            self.board.post.remote({"kind": "report", "total": self.total_steps, **metrics})
+        self._report_row = {"kind": "report", "total": self.total_steps, **metrics}
         return metrics
 
     def saved(self) -> None:
+        """The checkpoint of the last report is saved: only now does the console say so (a save
+        cut short by a full disk raises before this)."""
+        if self.posts_progress and self._report_row:
+            self.board.post.remote(self._report_row)
+        self._report_row = None
         # The next report's window opens after the save, so that its throughput leaves the save out.
         self.since_report.reset()

@@ -35,7 +35,7 @@ from common.cli import Interrupted, interrupts
 from common.config import ConfigError, check
 from common.fs import atomic_write, make_output_dir, url_to_fs
 from common.jobenv import durable_path, is_url
-from common.locks import FolderLock
+from common.locks import FolderLock, check_owner, claim_folder
 from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progress_every
 from common.tracking_queue import SPOOL_DIR
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
@@ -333,7 +333,9 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
     storage = _storage(cfg, Path(cfg.output))
     # One run at a time in an output folder: two would resume the same run into the same checkpoints.
+    check_owner(cfg.output, "pretrain")
     with FolderLock(make_output_dir(Path(cfg.output)), "pretrain"):
+        claim_folder(cfg.output, "pretrain")
         cfg, resume, output, reopen = _claim(cfg, storage)
         _warn_one_class(cfg, shards)
         own_ray = init_ray(cfg.ray_address)
@@ -504,11 +506,15 @@ def _resume_point(cfg: PretrainConfig, storage: tuple[str, Any], known: list[str
     storage_path, storage_fs = storage
     if storage_fs is not None:  # on remote storage the workers take Ray Train's record
         return {}
-    folder, record, _ = scan_run(Path(storage_path) / cfg.run_name, known)
+    folder, record, _, bad = scan_run(Path(storage_path) / cfg.run_name, known, verify=True)
     if folder is None:
         return {}
     check_resumable(record["cfg"], dataclasses.asdict(cfg), free_on_resume(cfg))
-    return {"resume_from": str(folder), "resume_step": int(record["step"])}
+    if bad:
+        print(f"pretrain: warning: checkpoint: {', '.join(map(str, bad))} does not match the sha256 its "
+              f"checkpoint.json records; resuming from {folder} at step {record['step']} instead (remove the "
+              "bad folder once you have looked at it)", file=sys.stderr)
+    return {"resume_from": str(folder), "resume_step": int(record["step"]), "resume_skip": [p.name for p in bad]}
 
 
 def _kept(cfg: PretrainConfig, storage: tuple[str, Any], total_steps: int) -> str:

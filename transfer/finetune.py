@@ -34,7 +34,7 @@ from common import tracking
 from common.config import ConfigError, check, not_recipe
 from common.fs import atomic_write, make_output_dir
 from common.jobenv import durable_path
-from common.locks import FolderLock
+from common.locks import FolderLock, check_owner, claim_folder
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
 from training import run_artifacts
 from training.ray_utils import copy_final_model, init_ray
@@ -288,14 +288,16 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     uri = tracking.tracking_uri()  # refuses a store in Ray's uploaded copy before any trial runs
     # One sweep at a time in an output folder: two would restore the same sweep and run its trials twice.
+    check_owner(output, "finetune")
     with FolderLock(make_output_dir(output), "finetune"):
+        claim_folder(output, "finetune")
         return _run_sweeps(cfg, output, uri, train_set, dev_fraction)
 
 
 def _run_sweeps(cfg: FinetuneConfig, output: Path, uri: str, train_set: ShardSet, dev_fraction: float) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
     # Where Ray runs and how many trials at once do not change the sweep's results.
-    state = open_sweep_state(output, config, fresh_keys=not_recipe(cfg))
+    state = open_sweep_state(output, config, stage="finetune", fresh_keys=not_recipe(cfg))
     finished = _finished(output, state)
     if finished:  # nothing to resume: the same run, model and summary stand
         return finished

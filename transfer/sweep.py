@@ -3,7 +3,7 @@
 A sweep lives under ``OUTPUT/ray/<name>``; running the same command again after an interruption
 restores it (finished trials are kept, unfinished and errored ones run again); so does one stopped
 by SIGINT or SIGTERM, which ends in one line (:class:`common.cli.Interrupted`). Its MLflow run is
-named in ``OUTPUT/sweep_state.json`` with the configuration it ran, so the re-run reopens the same
+named in ``OUTPUT/<stage>_sweep_state.json`` with the configuration it ran, so the re-run reopens the same
 MLflow run, and a re-run with different flags is refused rather than mixing two sweeps' trials.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from common.config import ConfigError, changed_fields
 from common.fs import atomic_write
 from transfer import tune_state
 
-STATE_FILE = "sweep_state.json"
+LEGACY_STATE_FILE = "sweep_state.json"  # both stages' state, before it was per stage
 
 
 def trial_resources(cpus_per_trial: int, gpus_per_trial: float) -> dict:
@@ -106,30 +106,53 @@ def report_final(metrics: dict, model, label_names: list[str] | None = None) -> 
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
 
 
-def open_sweep_state(output: Path, config: Mapping[str, Any], *, fresh_keys: Iterable[str] = ()) -> dict | None:
-    """The state of an interrupted sweep in ``output`` (its MLflow run), or None for a new one.
+# Tuner.restore reloads these from the sweep's own record, so a resume cannot change them.
+RESTORED_KEYS = ("max_concurrent", "max_failures")
+
+
+def state_file(stage: str) -> str:
+    """The sweep state's file name: one per stage, so that no stage reads or replaces another's."""
+    return f"{stage}_sweep_state.json"
+
+
+def _state_path(output: Path, stage: str) -> Path | None:
+    """The stage's state file in ``output``; a folder from before the names were per stage holds
+    ``sweep_state.json``, read when its config is of this stage (fine-tuning's names ``train``)."""
+    path = output / state_file(stage)
+    if path.is_file():
+        return path
+    legacy = output / LEGACY_STATE_FILE
+    try:
+        config = json.loads(legacy.read_text()).get("config", {})
+    except (OSError, ValueError, AttributeError):
+        return None
+    return legacy if isinstance(config, dict) and ("train" in config) == (stage == "finetune") else None
+
+
+def open_sweep_state(output: Path, config: Mapping[str, Any], *, stage: str,
+                     fresh_keys: Iterable[str] = ()) -> dict | None:
+    """The state of an interrupted ``stage`` sweep in ``output`` (its MLflow run), or None for a new one.
 
     Resuming with a different configuration would mix trials of two sweeps; that is refused.
     """
-    path = output / STATE_FILE
-    if not path.is_file():
+    path = _state_path(output, stage)
+    if path is None:
         return None
     state = json.loads(path.read_text())
     old = state.get("config", {})
-    changed = changed_fields(old, config, fresh_keys)
+    # Compared as saved: JSON has lists, not tuples, and strings for what it cannot hold.
+    now = json.loads(json.dumps(dict(config), default=str))
+    changed = changed_fields(old, now, set(fresh_keys) - set(RESTORED_KEYS))
     if changed:
-        k = changed[0]
-        raise ConfigError(
-            f"output: {output} holds a sweep run with {k}={old.get(k)!r}, not {config.get(k)!r}"
-            f"{' (and ' + ', '.join(changed[1:]) + ')' if changed[1:] else ''}; re-run with the same flags to "
-            "resume it, or pass a new --output"
-        )
+        diffs = ", ".join(f"{k}: sweep {old.get(k)!r}, now {now.get(k)!r}" for k in changed)
+        raise ConfigError(f"output: {output} holds a {stage} sweep run with other flags ({diffs}); re-run with "
+                          "the same flags to resume it, or pass a new --output")
     return state
 
 
-def save_sweep_state(output: Path, config: Mapping[str, Any], run_id: str) -> None:
-    atomic_write(str(output / STATE_FILE), json.dumps({"config": dict(config), "mlflow_run_id": run_id},
-                                                       indent=2, default=str))
+def save_sweep_state(output: Path, config: Mapping[str, Any], run_id: str, *, stage: str) -> None:
+    atomic_write(str(output / state_file(stage)), json.dumps({"config": dict(config), "mlflow_run_id": run_id},
+                                                             indent=2, default=str))
 
 
 def close_interrupted_children(run_id: str) -> int:
@@ -159,7 +182,7 @@ def sweep_run(stage: str, output: Path, config: Mapping[str, Any], state: dict |
             close_interrupted_children(run.info.run_id)
         else:
             tracking.log_shard_inputs(records)
-        save_sweep_state(output, config, run.info.run_id)
+        save_sweep_state(output, config, run.info.run_id, stage=stage)
         try:
             yield run
         except KeyboardInterrupt as exc:

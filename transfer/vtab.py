@@ -26,7 +26,7 @@ from common import plots, tracking
 from common.config import check, not_recipe, parse_named
 from common.fs import atomic_write, make_output_dir
 from common.jobenv import durable_path
-from common.locks import FolderLock
+from common.locks import FolderLock, check_owner, claim_folder
 from training.ray_utils import init_ray
 from transfer.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
 from transfer.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
@@ -245,13 +245,15 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
     tasks = resolve_tasks(cfg.data_root, cfg.task, no_flip=cfg.no_flip, no_crop=cfg.no_crop)
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     # One sweep at a time in an output folder: two would restore the same sweep and run its trials twice.
+    check_owner(output, "vtab")
     with FolderLock(make_output_dir(output), "vtab"):
+        claim_folder(output, "vtab")
         return _run_sweeps(cfg, output, tasks)
 
 
 def _run_sweeps(cfg: VtabConfig, output: Path, tasks: dict[str, dict]) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
-    state = open_sweep_state(output, config, fresh_keys=not_recipe(cfg))
+    state = open_sweep_state(output, config, stage="vtab", fresh_keys=not_recipe(cfg))
     init_ray(cfg.ray_address)
     uri = tracking.tracking_uri()
     names = list(tasks)

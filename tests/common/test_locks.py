@@ -92,3 +92,24 @@ def test_an_existing_folder_on_a_read_only_mount_is_refused_in_one_line(read_onl
     message = str(info.value)
     assert "\n" not in message and str(read_only_folder) in message
     assert "Read-only file system" in message and "give a writable folder" in message
+
+
+def test_a_folder_belongs_to_the_first_stage_that_claims_it(tmp_path):
+    import json
+
+    import pytest
+
+    from common.config import InputError
+    from common.locks import check_owner, claim_folder, folder_owner
+
+    claim_folder(tmp_path, "finetune")
+    claim_folder(tmp_path, "finetune")  # its own re-run
+    with pytest.raises(InputError, match=r"belongs to a finetune run .* give this vtab run another --output"):
+        claim_folder(tmp_path, "vtab")
+    assert folder_owner(tmp_path) == "finetune" and [p.name for p in tmp_path.iterdir()] == [".vitscale-stage.json"]
+    old = tmp_path / "old"  # written before folders named their owner: known by what it holds
+    old.mkdir()
+    (old / "sweep_state.json").write_text(json.dumps({"config": {"data_root": "/v"}, "mlflow_run_id": "r"}))
+    with pytest.raises(InputError, match="belongs to a vtab run"):
+        check_owner(old, "finetune")
+    check_owner(tmp_path / "missing", "prepare")

@@ -182,6 +182,28 @@ def test_a_second_run_into_an_output_folder_in_use_is_refused_naming_the_holder(
     assert "Ray" not in out.stderr and sorted(os.listdir(out_dir)) == []  # released, nothing written
 
 
+@pytest.mark.parametrize(("job", "owner"), [("vtab", "finetune"), ("finetune", "vtab"), ("pretrain", "finetune")])
+def test_a_stage_into_a_folder_another_stage_owns_is_refused_before_it_writes(job, owner, tiny_shards, tmp_path):
+    # A vtab started beside a finetune in one --output replaced the finetune's sweep state and Tune folders.
+    from common.locks import OWNER_FILE, claim_folder
+
+    task = tmp_path / "task"
+    task.mkdir()
+    for split in ("train800", "val200", "test"):
+        (task / split).symlink_to(tiny_shards, target_is_directory=True)
+    data = {"pretrain": ["--data", str(tiny_shards), "--variant", "Ti/8", "--depth", "1", "--img-size", "32",
+                         "--batch-size", "4", "--num-workers", "1", "--holdout", "0"],
+            "finetune": ["--train", str(tiny_shards), "--test", str(tiny_shards)],
+            "vtab": ["--task", f"natural/mine={task}"]}[job]
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    claim_folder(out_dir, owner)
+    out = run_job(job, *data, "--output", str(out_dir))
+    assert_one_line_exit_2(out, job, f"output {out_dir}: belongs to a {owner} run (its state is there, which this "
+                           f"{job} run would overwrite); give this {job} run another --output")
+    assert "Ray" not in out.stderr and sorted(os.listdir(out_dir)) == [OWNER_FILE]  # nothing written
+
+
 def test_pretraining_a_classifier_on_one_class_warns_in_one_line_and_trains(tmp_path, mlflow_store):
     from common.photos import photo
     from pipelines.config import PrepareConfig

@@ -109,6 +109,15 @@ def test_beams_dask_runner_sends_main_output_to_tagged_outputs(cluster, tmp_path
     assert odd == [0, 1, 2, 3, 4, 5]  # the even (main) elements came out of the "odd" output too
 
 
+def test_a_pipeline_that_cannot_be_translated_leaves_no_client_open(cluster):
+    import distributed
+
+    with pytest.raises(IndexError):  # no step: no sink bag to compute
+        beam.Pipeline(options=_dask_options(cluster.address)).run()
+    with pytest.raises(ValueError, match="No clients found"):
+        distributed.Client.current()
+
+
 def _touch(x, log):
     with open(log, "a") as f:
         f.write(f"{x}\n")

@@ -303,3 +303,38 @@ def test_a_signal_during_a_multi_worker_ingest_ends_it_in_one_line(tmp_path, pho
             return False
 
     assert not any(alive(p) for p in workers)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 600 kB tmpfs: a disk that fills during an ingest of a few megabytes."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (mount -t tmpfs); not available here")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_a_full_disk_is_one_line_naming_the_free_space_and_the_need_and_leaves_no_staging(tmp_path, small_disk):
+    # It was exit 1 after 127 lines of Beam traceback, with the staging folders left until the next run.
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for cls in ("a", "b"):
+        (tmp_path / "src" / cls).mkdir(parents=True)
+        for i in range(12):  # noise: incompressible, 1.8 MB in all
+            Image.fromarray(rng.integers(0, 255, (160, 160, 3), dtype=np.uint8)).save(tmp_path / "src" / cls / f"{i}.png")
+    out = small_disk / "out"
+    r = _job("--input", str(tmp_path / "src"), "--output", str(out), "--size", "128", "--workers", "1",
+             env={**os.environ, "VITSCALE_HOME": str(tmp_path / "home")})
+    assert r.returncode == 2, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [line for line in r.stderr.splitlines() if line.startswith("prepare: ") and "starting" not in line]
+    assert len(lines) == 2, r.stderr
+    assert lines[0].startswith(f"prepare: warning: output {out}: 0.6 MB free, and this run may need up to 3.")
+    assert lines[1].startswith(f"prepare: error: output {out}: the disk is full (")
+    assert "MB free, and this run needs up to 3." in lines[1] and "choose another --output" in lines[1]
+    assert os.listdir(out) == []  # no staging, plan or lock left

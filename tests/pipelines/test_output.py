@@ -40,3 +40,34 @@ def test_a_lock_file_from_another_host_is_named_with_the_fix():
     fs.pipe(f"/output-lock/remote/{LOCK}", json.dumps({"host": "node-7", "pid": 4242}).encode())
     with pytest.raises(FolderBusy, match=f"pid 4242 on node-7.*if that process is gone, delete .*{LOCK}"):
         OutputFolder("memory://output-lock/remote", ["/src"]).__enter__()
+
+
+def test_a_signal_during_the_swap_is_handed_to_the_run_not_re_sent_into_its_clean_up(tmp_path):
+    # Re-sent as the swap ended, it cut short the run's clean-up: staging and plan folders stayed,
+    # and the MLflow run never got its tags, though the new set was whole.
+    import signal
+
+    class SignalledWhileWritten(dict):
+        def items(self):
+            os.kill(os.getpid(), signal.SIGINT)  # arrives inside the swap
+            return super().items()
+
+    (tmp_path / "staged").mkdir()
+    (tmp_path / "staged" / "shard-00000.arrow").write_bytes(b"rows")
+    out = tmp_path / "out"
+    out.mkdir()
+    manifest = {"sources": ["/src"], "shards": [{"path": "shard-00000.arrow", "sha256": "x"}]}
+    with OutputFolder(str(out), ["/src"]) as folder:
+        folder.swap(str(tmp_path / "staged"), manifest, SignalledWhileWritten({"quarantine.jsonl": b""}))
+        assert folder.held_signal == signal.SIGINT
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+
+
+def test_prepare_into_a_folder_another_stage_owns_is_refused_before_it_writes(tmp_path):
+    from common.config import InputError
+    from common.locks import claim_folder
+
+    claim_folder(tmp_path, "finetune")
+    with pytest.raises(InputError, match=r"belongs to a finetune run .* give this prepare run another --output"):
+        OutputFolder(str(tmp_path), ["/src"]).__enter__()
+    assert os.listdir(tmp_path) == [".vitscale-stage.json"]

@@ -54,8 +54,41 @@ def test_the_newest_complete_checkpoint_is_found_and_folders_no_one_reads_are_re
     folder("checkpoint_4", 20, torn=True)  # cut short: its state is not the size its record says
     folder("checkpoint_5", 25, record=False)  # its record never arrived
     assert newest_checkpoint(tmp_path)[0] == newest  # what an interrupted run says it kept
-    found, record, removed = scan_run(tmp_path, known=["checkpoint_1"])
+    found, record, removed, _ = scan_run(tmp_path, known=["checkpoint_1"])
     assert found == newest and record["step"] == 15
     assert sorted(p.name for p in removed) == ["checkpoint_2", "checkpoint_4", "checkpoint_5"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_1", "checkpoint_3"]
-    assert scan_run(tmp_path / "no_run", known=[]) == (None, None, [])
+    assert scan_run(tmp_path / "no_run", known=[]) == (None, None, [], [])
+
+
+def test_a_checkpoint_whose_bytes_changed_is_passed_over_for_the_one_before(tmp_path):
+    import hashlib
+    import json
+
+    import pytest
+
+    from common.config import ConfigError
+    from training.checkpointer import RECORD, scan_run
+
+    def folder(name, step, *, digest=True):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "train_state.pt").write_bytes(b"x" * 10)
+        record = {"step": step, "files": {"train_state.pt": 10}, "cfg": {}}
+        if digest:
+            record["sha256"] = {"train_state.pt": hashlib.sha256(b"x" * 10).hexdigest()}
+        (d / RECORD).write_text(json.dumps(record))
+        return d
+
+    old = folder("checkpoint_1", 5, digest=False)  # written before records carried digests: sizes only
+    good = folder("checkpoint_2", 10)
+    bad = folder("checkpoint_3", 15)
+    (bad / "train_state.pt").write_bytes(b"y" * 10)  # same size, other bytes
+    scan = scan_run(tmp_path, known=["checkpoint_1", "checkpoint_2", "checkpoint_3"], verify=True)
+    assert (scan.folder, scan.corrupt) == (good, [bad])
+    (good / "train_state.pt").write_bytes(b"y" * 10)
+    assert scan_run(tmp_path, known=[], verify=True)[:2] == (old, json.loads((old / RECORD).read_text()))
+    assert bad.is_dir() and good.is_dir()  # kept for their owner to look at
+    (old / "train_state.pt").unlink()
+    with pytest.raises(ConfigError, match=r"no checkpoint of run .* matches the sha256 .*checkpoint_3, .*checkpoint_2"):
+        scan_run(tmp_path, known=[], verify=True)

@@ -11,14 +11,32 @@ from transfer.sweep import open_sweep_state, save_sweep_state, tune_sweep
 
 
 def test_a_resumed_sweep_refuses_changed_flags_but_not_where_it_runs(tmp_path):
-    config = {"lrs": [0.01, 0.03], "steps": 5, "max_concurrent": 0}
-    assert open_sweep_state(tmp_path, config) is None
-    save_sweep_state(tmp_path, config, "run-1")
-    resumed = open_sweep_state(tmp_path, {**config, "max_concurrent": 4}, fresh_keys={"max_concurrent"})
-    assert resumed["mlflow_run_id"] == "run-1"
-    with pytest.raises(ConfigError, match=r"output: .* holds a sweep run with steps=5, not 10; re-run with the "
-                                          r"same flags to resume it, or pass a new --output"):
-        open_sweep_state(tmp_path, {**config, "steps": 10})
+    config = {"lrs": [0.01, 0.03], "steps": 5, "max_concurrent": 0, "dev_fractions": None, "sizes": (1, 2)}
+    assert open_sweep_state(tmp_path, config, stage="finetune") is None
+    save_sweep_state(tmp_path, config, "run-1", stage="finetune")
+    resumed = open_sweep_state(tmp_path, {**config, "ray_address": "auto"}, stage="finetune",
+                               fresh_keys={"ray_address", "max_concurrent"})
+    assert resumed["mlflow_run_id"] == "run-1"  # a tuple saved as a JSON list is the same flag
+    with pytest.raises(ConfigError, match=r"other flags \(max_concurrent: sweep 0, now 4\)"):
+        # Tune's restore would keep the old value without a word.
+        open_sweep_state(tmp_path, {**config, "max_concurrent": 4}, stage="finetune", fresh_keys={"max_concurrent"})
+    with pytest.raises(ConfigError) as refused:
+        open_sweep_state(tmp_path, {**config, "steps": 10, "lrs": [0.1]}, stage="finetune")
+    assert str(refused.value) == (
+        f"output: {tmp_path} holds a finetune sweep run with other flags (lrs: sweep [0.01, 0.03], now [0.1], "
+        "steps: sweep 5, now 10); re-run with the same flags to resume it, or pass a new --output")
+    assert open_sweep_state(tmp_path, config, stage="vtab") is None  # each stage has its own state
+
+
+def test_a_sweep_state_from_before_states_were_per_stage_still_resumes(tmp_path):
+    import json
+
+    from transfer.sweep import LEGACY_STATE_FILE
+
+    config = {"train": "/data/t", "lrs": [0.01]}
+    (tmp_path / LEGACY_STATE_FILE).write_text(json.dumps({"config": config, "mlflow_run_id": "old"}))
+    assert open_sweep_state(tmp_path, config, stage="finetune")["mlflow_run_id"] == "old"
+    assert open_sweep_state(tmp_path, {"data_root": "/v"}, stage="vtab") is None
 
 
 def test_a_failing_trial_is_retried_up_to_max_failures(tmp_path, monkeypatch):
