@@ -75,6 +75,8 @@ class PretrainConfig:
     schedule: Literal["linear", "cosine"] = field(default="linear", metadata={"help": "decay after warm-up"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
     dropout: float = field(default=0.1, metadata={"help": "dropout after dense layers (Appendix B.1)"})
+    label_smoothing: float = field(default=0.0, metadata={"off": 0.0, "help": "softmax label smoothing ε: each target becomes (1-ε) one-hot + ε/classes (Section 4.3; DeiT: 0.1)"})
+    drop_path: float = field(default=0.0, metadata={"off": 0.0, "help": "stochastic depth: a block's residual branches are dropped per image at a rate rising linearly over depth from 0 to this (ViTs only; AugReg, DeiT: 0.1)"})
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
     loader: Literal["shards", "ray_data"] = field(
         default="shards",
@@ -127,6 +129,7 @@ class PretrainConfig:
         check(self.microbatch is None or per_worker % self.microbatch == 0, "microbatch",
               f"{self.microbatch} does not divide the per-worker batch {per_worker} "
               f"(batch_size {self.batch_size} / {self.num_workers} workers); pick a divisor of {per_worker}")
+        self._check_regularizers()  # first: a knob a BiT ResNet lacks is named before its variant is decoded
         from vitcore.variants import decode_variant
 
         try:
@@ -149,6 +152,16 @@ class PretrainConfig:
             check(self.loss == "softmax", "loss", "masked patch prediction uses a 512-way softmax; leave loss=softmax")
             check(not (self.strategy == "fsdp" and self.fewshot_every), "fewshot_every",
                   "few-shot evaluation of an FSDP-sharded MPP backbone is not supported; use --strategy ddp")
+
+    def _check_regularizers(self) -> None:
+        from vitcore.variants import is_bit_variant
+
+        check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
+        check(not self.label_smoothing or (self.loss == "softmax" and self.objective == "classification"),
+              "label_smoothing", "applies to the softmax classification loss; use --loss softmax or leave it at 0")
+        check(0 <= self.drop_path < 1, "drop_path", f"must be in [0, 1), got {self.drop_path}")
+        check(not (self.drop_path and is_bit_variant(self.variant)), "drop_path",
+              f"{self.variant} is a BiT ResNet, which has no stochastic depth; leave --drop-path at 0 or use a ViT")
 
     @property
     def microbatch_size(self) -> int:
@@ -412,7 +425,7 @@ def _claim_output(cfg: PretrainConfig, storage: tuple[str, Any]) -> PretrainConf
     """The config with the run name to use: the run recorded in ``output`` (:data:`RUN_RECORD`),
     which resumes, or a new one. Refused in one line: another --run-name, or a different recipe,
     over a recorded run, unless ``overwrite``, which removes that run's checkpoints and outputs."""
-    from common.config import free_on_resume
+    from common.config import free_on_resume, off_values
     from training.checkpointer import check_resumable
 
     output = Path(cfg.output)
@@ -433,7 +446,7 @@ def _claim_output(cfg: PretrainConfig, storage: tuple[str, Any]) -> PretrainConf
         raise ConfigError(f"run_name: {output} holds run {recorded!r}, not {cfg.run_name!r}; leave out --run-name "
                           "to resume it, pass --overwrite to replace it, or use another --output")
     cfg = dataclasses.replace(cfg, run_name=recorded)
-    check_resumable(saved, dataclasses.asdict(cfg), free_on_resume(cfg))
+    check_resumable(saved, dataclasses.asdict(cfg), free_on_resume(cfg), off_values(cfg))
     return cfg
 
 
@@ -454,7 +467,7 @@ def _resume_point(cfg: PretrainConfig, storage: tuple[str, Any], known: list[str
     """Where the run continues from, for the workers (:meth:`training.checkpointer.Checkpointer.load`):
     the newest complete checkpoint on a local disk, checked against this config before Ray starts.
     Checkpoint folders no one will read are removed (:func:`training.checkpointer.scan_run`)."""
-    from common.config import free_on_resume
+    from common.config import free_on_resume, off_values
     from training.checkpointer import check_resumable, scan_run
 
     storage_path, storage_fs = storage
@@ -463,7 +476,7 @@ def _resume_point(cfg: PretrainConfig, storage: tuple[str, Any], known: list[str
     folder, record, _ = scan_run(Path(storage_path) / cfg.run_name, known)
     if folder is None:
         return {}
-    check_resumable(record["cfg"], dataclasses.asdict(cfg), free_on_resume(cfg))
+    check_resumable(record["cfg"], dataclasses.asdict(cfg), free_on_resume(cfg), off_values(cfg))
     return {"resume_from": str(folder), "resume_step": int(record["step"])}
 
 

@@ -44,13 +44,13 @@ from training.data import (
 from training.loop import (
     accumulate_step,
     autocast,
-    classification_loss,
     effective_warmup,
     evaluate,
     lr_at,
     set_lr,
     unwrap,
 )
+from training.losses import classification_loss
 from training.metrics import MetricsSink
 from training.step import adamw, compile_mode, compile_model
 from vitcore.variants import decode_variant
@@ -211,7 +211,8 @@ class Trainer:
                 logits, targets = logits[corrupted].float(), targets[corrupted]
                 self.metrics.record_correct((logits.argmax(1) == targets).float().mean().detach() * x.shape[0])
                 return F.cross_entropy(logits, targets)
-            loss_sum, correct = classification_loss(self.trainable(x), y)
+            loss_sum, correct = classification_loss(self.trainable(x), y, head=self.cfg.loss,
+                                                    label_smoothing=self.cfg.label_smoothing)
         self.metrics.record_correct(correct.detach())
         return loss_sum / x.shape[0]
 
@@ -246,6 +247,8 @@ def model_options(cfg: Any) -> dict[str, Any]:
     opts = {k: getattr(cfg, k) for k in ("depth", "width", "mlp_dim", "num_heads") if getattr(cfg, k, None) is not None}
     if getattr(cfg, "grad_checkpointing", False):
         opts["grad_checkpointing"] = True
+    if getattr(cfg, "drop_path", 0.0):  # off: the option is not passed, so a BiT ResNet is built as before
+        opts["drop_path_rate"] = cfg.drop_path
     return opts
 
 
