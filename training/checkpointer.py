@@ -206,7 +206,7 @@ class Checkpointer:
             if self.rank == 0:
                 torch.save({"format": STATE_FORMAT, **state, **position.state_dict(seen), "rng": rng,
                             "cfg": dataclasses.asdict(self.cfg)}, Path(d) / TRAIN_STATE)
-                vitcore.save_checkpoint(trainer.plain_model(state["model"]), Path(d) / MODEL_FILE)
+                vitcore.save_checkpoint(trainer.published_model(state), Path(d) / MODEL_FILE)
                 files = {name: (Path(d) / name).stat().st_size for name in (TRAIN_STATE, MODEL_FILE)}
                 (Path(d) / RECORD).write_text(json.dumps({"step": trainer.step, "files": files,
                                                           "cfg": dataclasses.asdict(self.cfg)}, default=str))

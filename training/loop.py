@@ -50,8 +50,9 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's rate: ``lr``, times the group's ``lr_scale`` where it has one (layer-wise decay)."""
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
 def grad_sync(model: torch.nn.Module, enabled: bool):

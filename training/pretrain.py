@@ -77,6 +77,10 @@ class PretrainConfig:
     dropout: float = field(default=0.1, metadata={"help": "dropout after dense layers (Appendix B.1)"})
     label_smoothing: float = field(default=0.0, metadata={"off": 0.0, "help": "softmax label smoothing ε: each target becomes (1-ε) one-hot + ε/classes (Section 4.3; DeiT: 0.1)"})
     drop_path: float = field(default=0.0, metadata={"off": 0.0, "help": "stochastic depth: a block's residual branches are dropped per image at a rate rising linearly over depth from 0 to this (ViTs only; AugReg, DeiT: 0.1)"})
+    mixup: float = field(default=0.0, metadata={"off": 0.0, "help": "Mixup α: blend each batch with itself reversed, images and targets, λ ~ Beta(α, α); 0 is off (DeiT: 0.8, big_vision S/16: 0.2)"})
+    cutmix: float = field(default=0.0, metadata={"off": 0.0, "help": "CutMix α: paste a box of the partner image covering about 1-λ of each image, λ ~ Beta(α, α); 0 is off (DeiT: 1.0)"})
+    ema_decay: float = field(default=0.0, metadata={"off": 0.0, "help": "keep an exponential moving average of the weights with this decay (e.g. 0.9999; DeiT: 0.99996); the few-shot scores and the saved model use it; 0 is off"})
+    mixup_switch_prob: float | None = field(default=None, metadata={"off": None, "help": "with both --mixup and --cutmix, the chance that a batch takes CutMix (default 0.5, as timm)"})
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
     loader: Literal["shards", "ray_data"] = field(
         default="shards",
@@ -160,6 +164,17 @@ class PretrainConfig:
         check(not self.label_smoothing or (self.loss == "softmax" and self.objective == "classification"),
               "label_smoothing", "applies to the softmax classification loss; use --loss softmax or leave it at 0")
         check(0 <= self.drop_path < 1, "drop_path", f"must be in [0, 1), got {self.drop_path}")
+        for name in ("mixup", "cutmix"):
+            check(getattr(self, name) >= 0, name, f"must be >= 0 (0 is off), got {getattr(self, name)}")
+            check(not getattr(self, name) or self.objective == "classification", name,
+                  "mixes class targets; leave it at 0 with --objective mpp")
+        check(0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1) (0 is off), got {self.ema_decay}")
+        check(not (self.ema_decay and self.strategy == "fsdp"), "ema_decay",
+              "an averaged copy of an FSDP-sharded model is not supported; use --strategy ddp or leave it at 0")
+        switch = self.mixup_switch_prob
+        check(switch is None or (self.mixup > 0 and self.cutmix > 0), "mixup_switch_prob",
+              "picks between Mixup and CutMix; give both --mixup and --cutmix, or leave it out")
+        check(switch is None or 0 <= switch <= 1, "mixup_switch_prob", f"must be in [0, 1], got {switch}")
         check(not (self.drop_path and is_bit_variant(self.variant)), "drop_path",
               f"{self.variant} is a BiT ResNet, which has no stochastic depth; leave --drop-path at 0 or use a ViT")
 
