@@ -207,6 +207,9 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 #   False               where and how the run executes (paths, Ray, parallelism, logging): left out of
 #                       the hash and the report's comparison, and free to change on resume.
 # config_hash, the resume checks, the sweep state and the report all read this mark.
+# A recipe field added after runs were recorded also names, in ``metadata={"off": value}``, the value
+# that leaves the run as it was: at that value it stays out of the hash, and a record written before
+# the field existed reads as that value, so today's runs keep their hash and old checkpoints resume.
 RECIPE_MARKS = (True, "length", False)
 
 
@@ -230,17 +233,27 @@ def free_on_resume(cfg: Any) -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(cfg) if recipe_mark(cfg, f.name) is not True)
 
 
-def changed_fields(saved: Mapping[str, Any], current: Mapping[str, Any], free: Iterable[str] = ()) -> list[str]:
-    """The fields, sorted, that differ between a recorded config and this one (absent reads as None),
-    ``free`` aside: what a resume that would mix two runs changed."""
-    free = frozenset(free)
-    return sorted(k for k in set(saved) | set(current) if k not in free and saved.get(k) != current.get(k))
+def changed_fields(saved: Mapping[str, Any], current: Mapping[str, Any], free: Iterable[str] = (),
+                   absent: Mapping[str, Any] | None = None) -> list[str]:
+    """The fields, sorted, that differ between a recorded config and this one, ``free`` aside: what
+    a resume that would mix two runs changed. An absent field reads as its value in ``absent``
+    (:func:`off_values`), else as None."""
+    free, absent = frozenset(free), absent or {}
+    return sorted(k for k in set(saved) | set(current)
+                  if k not in free and saved.get(k, absent.get(k)) != current.get(k, absent.get(k)))
+
+
+def off_values(cfg: Any) -> dict[str, Any]:
+    """The fields that name an ``off`` value in their metadata, with it (see :data:`RECIPE_MARKS`)."""
+    return {f.name: f.metadata["off"] for f in dataclasses.fields(cfg) if "off" in f.metadata}
 
 
 def recipe_of(cfg: Any) -> dict[str, Any]:
-    """The config's fields that decide what the run computes (for its hash)."""
-    skip = not_recipe(cfg)
-    return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    """The config's fields that decide what the run computes (for its hash); a field at its
+    ``off`` value is left out, so adding a knob does not change the hash of the runs without it."""
+    skip, off = not_recipe(cfg), off_values(cfg)
+    return {k: v for k, v in dataclasses.asdict(cfg).items()
+            if k not in skip and not (k in off and v == off[k])}
 
 
 class _Parser(argparse.ArgumentParser):

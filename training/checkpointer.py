@@ -17,7 +17,7 @@ from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 
-from common.config import ConfigError, changed_fields, free_on_resume
+from common.config import ConfigError, changed_fields, free_on_resume, off_values
 
 TRAIN_STATE = "train_state.pt"
 STATE_FORMAT = "vitscale-pretrain/2"
@@ -25,10 +25,11 @@ STATE_FORMAT = "vitscale-pretrain/2"
 RECORD = "checkpoint.json"
 
 
-def check_resumable(saved: dict, current: dict, free: Iterable[str]) -> None:
+def check_resumable(saved: dict, current: dict, free: Iterable[str], absent: dict | None = None) -> None:
     """Refuse to continue a checkpoint under a different recipe, which would silently mix two runs;
-    ``free`` names the fields a resume may change (:func:`common.config.free_on_resume`)."""
-    changed = changed_fields(saved, current, free)
+    ``free`` names the fields a resume may change (:func:`common.config.free_on_resume`), ``absent``
+    what a field the checkpoint predates reads as (:func:`common.config.off_values`)."""
+    changed = changed_fields(saved, current, free, absent)
     if changed:
         diffs = ", ".join(f"{k}: checkpoint {saved.get(k)!r}, now {current.get(k)!r}" for k in changed)
         raise ConfigError(
@@ -236,7 +237,7 @@ class Checkpointer:
         if state.get("format") != STATE_FORMAT:
             raise ConfigError(f"run_name {self.cfg.run_name!r}: the checkpoint's state is {state.get('format')!r}, "
                               f"not {STATE_FORMAT!r}; use a new --run-name or --output to start fresh")
-        check_resumable(state["cfg"], dataclasses.asdict(self.cfg), free_on_resume(self.cfg))
+        check_resumable(state["cfg"], dataclasses.asdict(self.cfg), free_on_resume(self.cfg), off_values(self.cfg))
         trainer.load_state_dict(state)
         trainer.position.load_state_dict(state, self.rank)
         set_rng_states(state.get("rng", {}), self.rank, self.world, trainer.device)
@@ -260,7 +261,7 @@ class Checkpointer:
             if self.rank == 0:
                 torch.save({"format": STATE_FORMAT, **state, **position.state_dict(seen), "rng": rng,
                             "cfg": dataclasses.asdict(self.cfg)}, Path(d) / TRAIN_STATE)
-                vitcore.save_checkpoint(trainer.plain_model(state["model"]), Path(d) / MODEL_FILE,
+                vitcore.save_checkpoint(trainer.published_model(state), Path(d) / MODEL_FILE,
                                         extra_metadata=label_metadata(trainer.label_names))
                 names = (TRAIN_STATE, MODEL_FILE)
                 files = {name: (Path(d) / name).stat().st_size for name in names}

@@ -6,7 +6,8 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+
+from training.losses import classification_loss
 
 
 def lr_at(step: int, *, total: int, warmup: int, peak: float, schedule: str, end: float = 0.0) -> float:
@@ -49,8 +50,9 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    """Every group's rate: ``lr``, times the group's ``lr_scale`` where it has one (layer-wise decay)."""
     for group in opt.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group["lr_scale"] if "lr_scale" in group else lr
 
 
 def grad_sync(model: torch.nn.Module, enabled: bool):
@@ -87,21 +89,6 @@ def accumulate_step(model: torch.nn.Module, opt: torch.optim.Optimizer, microbat
         norm = norm.full_tensor()
     opt.step()
     return total, norm.detach()
-
-
-def classification_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed loss and number correct for class indices (softmax) or multi-hot targets (sigmoid).
-
-    A multi-label prediction counts as correct when its top class is one of the image's labels.
-    """
-    logits = logits.float()
-    if targets.ndim == 2:
-        loss = F.binary_cross_entropy_with_logits(logits, targets, reduction="sum")
-        correct = (targets.gather(1, logits.argmax(1, keepdim=True)) > 0).sum()
-    else:
-        loss = F.cross_entropy(logits, targets, reduction="sum")
-        correct = (logits.argmax(1) == targets).sum()
-    return loss, correct
 
 
 def evaluate(model: torch.nn.Module, batches, device: torch.device, bf16: bool) -> dict[str, float]:

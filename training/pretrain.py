@@ -76,6 +76,12 @@ class PretrainConfig:
     schedule: Literal["linear", "cosine"] = field(default="linear", metadata={"help": "decay after warm-up"})
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
     dropout: float = field(default=DEFAULT_DROPOUT, metadata={"help": "dropout after dense layers (Appendix B.1); a BiT ResNet has none"})
+    label_smoothing: float = field(default=0.0, metadata={"off": 0.0, "help": "softmax label smoothing ε: each target becomes (1-ε) one-hot + ε/classes (Section 4.3; DeiT: 0.1)"})
+    drop_path: float = field(default=0.0, metadata={"off": 0.0, "help": "stochastic depth: a block's residual branches are dropped per image at a rate rising linearly over depth from 0 to this (ViTs only; AugReg, DeiT: 0.1)"})
+    mixup: float = field(default=0.0, metadata={"off": 0.0, "help": "Mixup α: blend each batch with itself reversed, images and targets, λ ~ Beta(α, α); 0 is off (DeiT: 0.8, big_vision S/16: 0.2)"})
+    cutmix: float = field(default=0.0, metadata={"off": 0.0, "help": "CutMix α: paste a box of the partner image covering about 1-λ of each image, λ ~ Beta(α, α); 0 is off (DeiT: 1.0)"})
+    ema_decay: float = field(default=0.0, metadata={"off": 0.0, "help": "keep an exponential moving average of the weights with this decay (e.g. 0.9999; DeiT: 0.99996); the few-shot scores and the saved model use it; 0 is off"})
+    mixup_switch_prob: float | None = field(default=None, metadata={"off": None, "help": "with both --mixup and --cutmix, the chance that a batch takes CutMix (default 0.5, as timm)"})
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
     loader: Literal["shards", "ray_data"] = field(
         default="shards",
@@ -128,6 +134,7 @@ class PretrainConfig:
         check(self.microbatch is None or per_worker % self.microbatch == 0, "microbatch",
               f"{self.microbatch} does not divide the per-worker batch {per_worker} "
               f"(batch_size {self.batch_size} / {self.num_workers} workers); pick a divisor of {per_worker}")
+        self._check_regularizers()  # first: a knob a BiT ResNet lacks is named before its variant is decoded
         from vitcore.variants import is_bit_variant
 
         if is_bit_variant(self.variant):
@@ -178,6 +185,27 @@ class PretrainConfig:
               f"{self.variant} is a BiT ResNet: use --objective classification or a ViT --variant")
         check(self.strategy == "ddp", "strategy", f"FSDP here shards a ViT's blocks; train {self.variant} with "
               "--strategy ddp")
+
+    def _check_regularizers(self) -> None:
+        from vitcore.variants import is_bit_variant
+
+        check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
+        check(not self.label_smoothing or (self.loss == "softmax" and self.objective == "classification"),
+              "label_smoothing", "applies to the softmax classification loss; use --loss softmax or leave it at 0")
+        check(0 <= self.drop_path < 1, "drop_path", f"must be in [0, 1), got {self.drop_path}")
+        for name in ("mixup", "cutmix"):
+            check(getattr(self, name) >= 0, name, f"must be >= 0 (0 is off), got {getattr(self, name)}")
+            check(not getattr(self, name) or self.objective == "classification", name,
+                  "mixes class targets; leave it at 0 with --objective mpp")
+        check(0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1) (0 is off), got {self.ema_decay}")
+        check(not (self.ema_decay and self.strategy == "fsdp"), "ema_decay",
+              "an averaged copy of an FSDP-sharded model is not supported; use --strategy ddp or leave it at 0")
+        switch = self.mixup_switch_prob
+        check(switch is None or (self.mixup > 0 and self.cutmix > 0), "mixup_switch_prob",
+              "picks between Mixup and CutMix; give both --mixup and --cutmix, or leave it out")
+        check(switch is None or 0 <= switch <= 1, "mixup_switch_prob", f"must be in [0, 1], got {switch}")
+        check(not (self.drop_path and is_bit_variant(self.variant)), "drop_path",
+              f"{self.variant} is a BiT ResNet, which has no stochastic depth; leave --drop-path at 0 or use a ViT")
 
     @property
     def microbatch_size(self) -> int:
@@ -458,7 +486,7 @@ def _claim_output(cfg: PretrainConfig, storage: tuple[str, Any]) -> PretrainConf
     """The config with the run name to use: the run recorded in ``output`` (:data:`RUN_RECORD`),
     which resumes, or a new one. Refused in one line: another --run-name, or a different recipe,
     over a recorded run, unless ``overwrite``, which removes that run's checkpoints and outputs."""
-    from common.config import free_on_resume
+    from common.config import free_on_resume, off_values
     from training.checkpointer import check_resumable
 
     output = Path(cfg.output)
@@ -479,7 +507,7 @@ def _claim_output(cfg: PretrainConfig, storage: tuple[str, Any]) -> PretrainConf
         raise ConfigError(f"run_name: {output} holds run {recorded!r}, not {cfg.run_name!r}; leave out --run-name "
                           "to resume it, pass --overwrite to replace it, or use another --output")
     cfg = dataclasses.replace(cfg, run_name=recorded)
-    check_resumable(saved, dataclasses.asdict(cfg), free_on_resume(cfg))
+    check_resumable(saved, dataclasses.asdict(cfg), free_on_resume(cfg), off_values(cfg))
     return cfg
 
 
@@ -500,7 +528,7 @@ def _resume_point(cfg: PretrainConfig, storage: tuple[str, Any], known: list[str
     """Where the run continues from, for the workers (:meth:`training.checkpointer.Checkpointer.load`):
     the newest complete checkpoint on a local disk, checked against this config before Ray starts.
     Checkpoint folders no one will read are removed (:func:`training.checkpointer.scan_run`)."""
-    from common.config import free_on_resume
+    from common.config import free_on_resume, off_values
     from training.checkpointer import check_resumable, scan_run
 
     storage_path, storage_fs = storage
@@ -509,7 +537,7 @@ def _resume_point(cfg: PretrainConfig, storage: tuple[str, Any], known: list[str
     folder, record, _, bad = scan_run(Path(storage_path) / cfg.run_name, known, verify=True)
     if folder is None:
         return {}
-    check_resumable(record["cfg"], dataclasses.asdict(cfg), free_on_resume(cfg))
+    check_resumable(record["cfg"], dataclasses.asdict(cfg), free_on_resume(cfg), off_values(cfg))
     if bad:
         print(f"pretrain: warning: checkpoint: {', '.join(map(str, bad))} does not match the sha256 its "
               f"checkpoint.json records; resuming from {folder} at step {record['step']} instead (remove the "

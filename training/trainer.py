@@ -41,17 +41,19 @@ from training.data import (
     split_rows,
     train_transform,
 )
+from training.ema import Polyak
 from training.loop import (
     accumulate_step,
     autocast,
-    classification_loss,
     effective_warmup,
     evaluate,
     lr_at,
     set_lr,
     unwrap,
 )
+from training.losses import classification_loss
 from training.metrics import MetricsSink
+from training.mixup import Mixer
 from training.step import adamw, compile_mode, compile_model
 from vitcore.variants import decode_variant, is_bit_variant
 
@@ -66,7 +68,7 @@ class Trainer:
         self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
         self.device = ray.train.torch.get_device()
         self.mpp = cfg.objective == "mpp"
-        self.step = self.start_step = 0
+        self.step = self.start_step = self.micro = 0
 
     def build(self) -> Trainer:
         """Data, model, optimiser, checkpointer (restoring the latest checkpoint) and metrics sink."""
@@ -81,6 +83,9 @@ class Trainer:
         self.steps_per_epoch, self.total_steps = cfg.plan_steps(len(train_ds), self.world)
         self.held_out = None if self.mpp or not len(held_ds) else HeldOut(held_ds, cfg, self.rank, self.world)
         self.model, self.dist_model, self.trainable = self._build_model(num_classes)
+        self.num_classes, self.mixer = num_classes, _mixer(cfg)
+        # The average of the backbone's weights (the model the run saves), on the device, in fp32.
+        self.ema = Polyak(self.model, cfg.ema_decay) if cfg.ema_decay else None
         # Dropout and MPP corruption differ between ranks; the initial weights above did not.
         torch.manual_seed(cfg.seed * 1_000_003 + 1 + self.rank)
         self.opt = _optimizer(cfg, self.dist_model)
@@ -142,13 +147,15 @@ class Trainer:
         full = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return {"model": get_model_state_dict(self.dist_model, options=full),
                 "optimizer": get_optimizer_state_dict(self.dist_model, self.opt, options=full),
-                "step": self.step}
+                "step": self.step, **({"ema": self.ema.state_dict()} if self.ema else {})}
 
     def load_state_dict(self, state: dict) -> None:
         full = StateDictOptions(full_state_dict=True)
         set_model_state_dict(self.dist_model, state["model"], options=full)
         set_optimizer_state_dict(self.dist_model, self.opt, state["optimizer"], options=full)
         self.step = int(state["step"])
+        if self.ema is not None:
+            self.ema.load_state_dict(state["ema"])
 
     def plain_model(self, model_sd: dict) -> vitcore.VisionTransformer:
         """The model file's ViT from a whole state dict: MPP's backbone without its patch head."""
@@ -156,6 +163,14 @@ class Trainer:
             model_sd = {k[len("backbone."):]: v for k, v in model_sd.items() if k.startswith("backbone.")}
         plain = vitcore.VisionTransformer(self.model.config)
         plain.load_state_dict(model_sd)
+        return plain
+
+    def published_model(self, state: dict) -> torch.nn.Module:
+        """The model file's weights: the average with ``ema_decay``, else the trained ones."""
+        if self.ema is None:
+            return self.plain_model(state["model"])
+        plain = type(self.model)(self.model.config)
+        plain.load_state_dict(state["ema"]["model"])
         return plain
 
     def train(self) -> None:
@@ -190,11 +205,13 @@ class Trainer:
                                           count=cfg.accumulation, grad_clip=cfg.grad_clip)
         self.position.advance(self.data.rows(self.position.epoch, self.position.offset))
         self.step += 1
+        if self.ema is not None:
+            self.ema.update(self.model)
         self.metrics.record(cfg.batch_size // self.world, loss)
         return lr, grad_norm
 
     def _microbatches(self, batches: Iterator) -> Iterator:
-        for _ in range(self.cfg.accumulation):
+        for self.micro in range(self.cfg.accumulation):
             t = time.perf_counter()
             batch = next(batches)
             self.metrics.record_wait(time.perf_counter() - t)
@@ -208,6 +225,8 @@ class Trainer:
             x, y = batch
             # uint8 batches (Ray Data) cross to the device at a quarter of the bytes, then normalise there.
             x, y = normalize(x.to(self.device, non_blocking=True)), y.to(self.device, non_blocking=True)
+        if self.mixer.on:  # the batch's place in the schedule seeds its mix: a resume mixes it again the same
+            x, y = self.mixer(x, y, self.num_classes, key=(self.step, self.rank, self.micro))
         with autocast(self.device, self.cfg.bf16):
             if self.mpp:
                 # Appendix B.1.2: loss only on the corrupted patches; "accuracy" is per patch.
@@ -215,7 +234,8 @@ class Trainer:
                 logits, targets = logits[corrupted].float(), targets[corrupted]
                 self.metrics.record_correct((logits.argmax(1) == targets).float().mean().detach() * x.shape[0])
                 return F.cross_entropy(logits, targets)
-            loss_sum, correct = classification_loss(self.trainable(x), y)
+            loss_sum, correct = classification_loss(self.trainable(x), y, head=self.cfg.loss,
+                                                    label_smoothing=self.cfg.label_smoothing)
         self.metrics.record_correct(correct.detach())
         return loss_sum / x.shape[0]
 
@@ -224,7 +244,8 @@ class Trainer:
             return
         # Every rank runs the forward (FSDP's is collective); rank 0 logs.
         target = unwrap(self.trainable)
-        scores = _fewshot_scores(target.backbone if self.mpp else target, self.fewshot, self.cfg.microbatch_size)
+        model = self.ema.model if self.ema else target.backbone if self.mpp else target
+        scores = _fewshot_scores(model, self.fewshot, self.cfg.microbatch_size)
         if scores:
             self.metrics.log(scores, self.step)
         self.trainable.train()
@@ -250,7 +271,14 @@ def model_options(cfg: Any) -> dict[str, Any]:
     opts = {k: getattr(cfg, k) for k in ("depth", "width", "mlp_dim", "num_heads") if getattr(cfg, k, None) is not None}
     if getattr(cfg, "grad_checkpointing", False):
         opts["grad_checkpointing"] = True
+    if getattr(cfg, "drop_path", 0.0):  # off: the option is not passed, so a BiT ResNet is built as before
+        opts["drop_path_rate"] = cfg.drop_path
     return opts
+
+
+def _mixer(cfg: Any) -> Mixer:
+    switch = 0.5 if cfg.mixup_switch_prob is None else cfg.mixup_switch_prob
+    return Mixer(mixup=cfg.mixup, cutmix=cfg.cutmix, switch_prob=switch, seed=cfg.seed)
 
 
 def _optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:

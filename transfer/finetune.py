@@ -74,6 +74,7 @@ class FinetuneConfig:
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
     polyak: float = field(default=0.0, metadata={"help": "Polyak (exponential) averaging decay of the evaluated "
                                                           "weights, e.g. 0.9999 (0: off)"})
+    layer_decay: float | None = field(default=None, metadata={"off": None, "help": "layer-wise learning-rate decay: each layer's rate is the base rate x this^(L - layer), the head at L, the patch embedding at 0 (BEiT, timm: e.g. 0.65-0.75; default: one rate for all)"})
     dataset: str | None = field(default=None, metadata={"help": "dataset name for the dev fraction (pets, flowers, "
                                                                 "cifar, imagenet, ...); default: from the train folder's name"})
     dev_fractions: dict[str, float] = field(default_factory=lambda: dict(PAPER_DEV_FRACTIONS),
@@ -104,6 +105,8 @@ class FinetuneConfig:
         check(0 < self.crop_min_area <= 1, "crop_min_area", f"must be in (0, 1], got {self.crop_min_area}")
         check(0 <= self.momentum < 1, "momentum", f"must be in [0, 1), got {self.momentum}")
         check(0 <= self.polyak < 1, "polyak", f"must be in [0, 1), got {self.polyak}")
+        check(self.layer_decay is None or 0 < self.layer_decay <= 1, "layer_decay",
+              f"must be in (0, 1] (1: one rate for all), got {self.layer_decay}")
         check(self.gpus_per_trial >= 0, "gpus_per_trial", f"must be >= 0, got {self.gpus_per_trial}")
         check(self.max_failures >= 0, "max_failures", f"must be >= 0, got {self.max_failures}")
 
@@ -146,7 +149,7 @@ def finetune_trial(config: dict) -> None:
         dev_loader = DataLoader(ShardImageDataset(train_set, eval_transform(img_size), rows=dev_rows), batch_size=256)
         spec = TrainSpec(lr=lr, steps=cfg.steps, batch_size=cfg.batch_size, microbatch=cfg.microbatch,
                          warmup_steps=cfg.warmup_steps, grad_clip=cfg.grad_clip, momentum=cfg.momentum,
-                         polyak=cfg.polyak, bf16=cfg.bf16, seed=cfg.seed)
+                         polyak=cfg.polyak, layer_decay=cfg.layer_decay, bf16=cfg.bf16, seed=cfg.seed)
 
         def on_eval(m, step, loss):
             metrics = {"step": step, "train_loss": loss, "lr": lr}

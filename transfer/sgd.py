@@ -5,15 +5,16 @@ linear layer (position embeddings interpolated to the fine-tuning resolution), a
 SGD with momentum 0.9, no weight decay, global-norm clipping at 1, a short warm-up then cosine
 decay. The batch (512 in the paper) fits any device: ``microbatch`` images go through the model
 at once and their gradients accumulate into one step (:func:`training.loop.accumulate_step`).
-Polyak averaging, which the paper's ImageNet results use, is optional.
+Polyak averaging, which the paper's ImageNet results use, is optional, and so is layer-wise
+learning-rate decay (BEiT, timm's fine-tuning): lower layers move less than the head.
 
 torch and vitcore are imported where they are used: the stages' configs check their batching
 here, and a ``--help`` or a refused flag should not wait for torch to load.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -74,32 +75,44 @@ def start_trial(cpus_per_trial: int, gpus_per_trial: float, seed: int):
     return torch.device("cuda" if gpus_per_trial and torch.cuda.is_available() else "cpu")
 
 
-class Polyak:
-    """Exponential moving average of a model's weights (Polyak & Juditsky averaging, as the paper's
-    ImageNet fine-tunes use with 0.9999).
+def layer_ids(model) -> tuple[dict[str, int], int]:
+    """Each parameter's layer for layer-wise learning-rate decay, and the top layer L.
 
-    The decay ramps up as ``min(decay, (1 + n) / (10 + n))`` after n updates (TensorFlow's
-    ExponentialMovingAverage with ``num_updates``): with a constant 0.9999 a 500-step run would
-    report weights that are still 95% the pre-trained ones with an untrained zero head.
+    As BEiT and timm count them: the embedding (a ViT's patch embedding, class token and position
+    embeddings; a ResNet's stem) is layer 0, encoder block i (a ResNet's i-th bottleneck unit,
+    counted across stages) is layer i + 1, and what follows the last block (the final norm, the
+    pre-logits and the head) is layer L = blocks + 1.
     """
+    names = [name for name, _ in model.named_parameters()]
+    units = sorted({m.group(0) for n in names if (m := _UNIT.match(n))}, key=_unit_order)
+    unit_of = {u: i + 1 for i, u in enumerate(units)}
+    top = len(units) + 1
+    ids = {}
+    for name in names:
+        unit = _UNIT.match(name)
+        ids[name] = unit_of[unit.group(0)] if unit else 0 if name.startswith(_EMBEDDING) else top
+    return ids, top
 
-    def __init__(self, model, decay: float):
-        self.decay = decay
-        self.updates = 0
-        self.model = copy.deepcopy(model).eval()
-        for p in self.model.parameters():
-            p.requires_grad_(False)
 
-    def update(self, model) -> None:
-        import torch
+_UNIT = re.compile(r"^(blocks\.\d+|stages\.\d+\.blocks\.\d+)\.")
+_EMBEDDING = ("patch_embed.", "cls_token", "pos_embed", "stem.")
 
-        with torch.no_grad():
-            d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-            for avg, p in zip(self.model.parameters(), model.parameters()):
-                avg.lerp_(p.detach(), 1.0 - d)
-            for avg, b in zip(self.model.buffers(), model.buffers()):
-                avg.copy_(b)
-        self.updates += 1
+
+def _unit_order(unit: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", unit))
+
+
+def sgd_param_groups(model, layer_decay: float | None) -> Any:
+    """The optimiser's parameters: all in one group, or with ``layer_decay`` one group per layer
+    whose rate is the base rate x decay^(L - layer) (:func:`layer_ids`); ``set_lr`` applies the scale."""
+    if not layer_decay:
+        return model.parameters()
+    ids, top = layer_ids(model)
+    groups: dict[int, list] = {}
+    for name, p in model.named_parameters():
+        groups.setdefault(ids[name], []).append(p)
+    return [{"params": ps, "lr_scale": layer_decay ** (top - layer), "layer": layer}
+            for layer, ps in sorted(groups.items())]
 
 
 @dataclasses.dataclass
@@ -114,6 +127,7 @@ class TrainSpec:
     grad_clip: float = 1.0
     momentum: float = 0.9
     polyak: float = 0.0
+    layer_decay: float | None = None
     bf16: bool = True
     seed: int = 0
 
@@ -144,6 +158,7 @@ def train_sgd(model, train_ds, spec: TrainSpec, device, *,
     import torch
     import torch.nn.functional as F
 
+    from training.ema import Polyak
     from training.loop import accumulate_step, autocast, effective_warmup, lr_at, set_lr
 
     batch = min(spec.batch_size, len(train_ds))
@@ -151,7 +166,8 @@ def train_sgd(model, train_ds, spec: TrainSpec, device, *,
     per_step = max(1, batch // micro)
     batch = per_step * micro
     stream = microbatch_stream(train_ds, micro, spec.seed)
-    opt = torch.optim.SGD(model.parameters(), lr=spec.lr, momentum=spec.momentum, weight_decay=0.0)
+    opt = torch.optim.SGD(sgd_param_groups(model, spec.layer_decay), lr=spec.lr, momentum=spec.momentum,
+                          weight_decay=0.0)
     warmup = effective_warmup(spec.warmup_steps, spec.steps)
     avg = Polyak(model, spec.polyak) if spec.polyak else None
 

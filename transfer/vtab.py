@@ -59,6 +59,7 @@ class VtabConfig:
     grad_clip: float = field(default=1.0, metadata={"help": "global gradient-norm clip; 0 disables"})
     crop_min_area: float = field(default=0.05, metadata={"help": "Inception-crop minimum area where crops are allowed"})
     momentum: float = field(default=0.9, metadata={"help": "SGD momentum"})
+    layer_decay: float | None = field(default=None, metadata={"off": None, "help": "layer-wise learning-rate decay: each layer's rate is the base rate x this^(L - layer), the head at L, the patch embedding at 0 (BEiT, timm: e.g. 0.65-0.75; default: one rate for all)"})
     cpus_per_trial: int = field(default=1, metadata={"recipe": False, "help": "CPUs per trial (and torch threads)"})
     gpus_per_trial: float = field(default=0, metadata={"recipe": False, "help": "GPUs per trial; fractions share one GPU"})
     max_concurrent: int = field(default=0, metadata={"recipe": False, "help": "trials at once (0: as resources allow)"})
@@ -76,6 +77,8 @@ class VtabConfig:
             check(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         check_batching(self.batch_size, self.microbatch)
         check(0 < self.crop_min_area <= 1, "crop_min_area", f"must be in (0, 1], got {self.crop_min_area}")
+        check(self.layer_decay is None or 0 < self.layer_decay <= 1, "layer_decay",
+              f"must be in (0, 1] (1: one rate for all), got {self.layer_decay}")
         check(self.gpus_per_trial >= 0, "gpus_per_trial", f"must be >= 0, got {self.gpus_per_trial}")
         parse_named(self.task, "task", example="dtd=/data/vtab/dtd or natural/mytask=/data/mytask")
 
@@ -110,7 +113,7 @@ def vtab_trial(config: dict) -> None:
         eval_loader = DataLoader(ShardImageDataset(root / eval_split, eval_transform(size)), batch_size=256)
         spec = TrainSpec(lr=setting["lr"], steps=setting["steps"], batch_size=cfg.batch_size,
                          microbatch=cfg.microbatch, warmup_steps=cfg.warmup_steps, grad_clip=cfg.grad_clip,
-                         momentum=cfg.momentum, bf16=cfg.bf16, seed=cfg.seed)
+                         momentum=cfg.momentum, layer_decay=cfg.layer_decay, bf16=cfg.bf16, seed=cfg.seed)
         evaluated, stats = train_sgd(model, train_ds, spec, device)
         result = evaluate(evaluated, eval_loader, device, cfg.bf16)
         key = "val" if phase == "select" else "test"

@@ -45,6 +45,7 @@ class ViTConfig:
     posemb: str = "learn"
     dropout: float = 0.0
     attention_dropout: float = 0.0
+    drop_path_rate: float = 0.0
     # The official JAX code uses Flax's nn.gelu, whose default is the tanh approximation;
     # timm uses the exact erf form. Loaders set this to match the weights' source.
     gelu: str = "tanh"
@@ -83,6 +84,8 @@ class ViTConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be at least 1")
         if self.num_classes < 0:
             raise ValueError(f"num_classes={self.num_classes} must be >= 0 (0 removes the head)")
+        if not 0 <= self.drop_path_rate < 1:
+            raise ValueError(f"drop_path_rate={self.drop_path_rate} must be in [0, 1)")
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -172,10 +175,40 @@ class Mlp(nn.Module):
         return self.drop2(self.fc2(self.drop1(self.act(self.fc1(x)))))
 
 
+def drop_path(x: torch.Tensor, rate: float, training: bool) -> torch.Tensor:
+    """Stochastic depth (Huang et al. 2016; DeiT, AugReg): in training, zero a residual branch for
+    each image with probability ``rate`` and scale the kept ones by 1/(1-rate); the identity
+    otherwise. At rate 0 it draws no random numbers, so the dropout stream is as it was."""
+    if not rate or not training:
+        return x
+    keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1.0 - rate)
+    return x * keep.div_(1.0 - rate)
+
+
+class DropPath(nn.Module):
+    """:func:`drop_path` as a module (timm's name); it has no parameters, so no state."""
+
+    def __init__(self, rate: float = 0.0):
+        super().__init__()
+        self.rate = float(rate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return drop_path(x, self.rate, self.training)
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate:g}"
+
+
+def drop_path_rates(rate: float, depth: int) -> list[float]:
+    """Each block's stochastic-depth rate: 0 at the first block rising linearly to ``rate`` at the
+    last, as timm and DeiT set it (``torch.linspace(0, rate, depth)``)."""
+    return [rate * i / (depth - 1) if depth > 1 else rate for i in range(depth)]
+
+
 class Block(nn.Module):
     """Pre-LN encoder block, Eq. 2-3. LayerNorm epsilon 1e-6 as in Flax."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(self, cfg: ViTConfig, drop_path_rate: float = 0.0):
         super().__init__()
         rel_len = cfg.seq_len if cfg.posemb == "relative" else None
         self.norm1 = nn.LayerNorm(cfg.width, eps=1e-6)
@@ -183,11 +216,13 @@ class Block(nn.Module):
                               proj_drop=cfg.dropout, rel_pos_len=rel_len, impl=cfg.attn_impl)
         self.norm2 = nn.LayerNorm(cfg.width, eps=1e-6)
         self.mlp = Mlp(cfg.width, cfg.mlp_dim, drop=cfg.dropout, gelu=cfg.gelu)
+        self.drop_path1 = DropPath(drop_path_rate)
+        self.drop_path2 = DropPath(drop_path_rate)
 
     def forward(self, x: torch.Tensor, return_weights: bool = False):
         y, weights = self.attn(self.norm1(x), return_weights)
-        x = x + y
-        x = x + self.mlp(self.norm2(x))
+        x = x + self.drop_path1(y)
+        x = x + self.drop_path2(self.mlp(self.norm2(x)))
         return x, weights
 
 
@@ -249,7 +284,7 @@ class VisionTransformer(nn.Module):
             if cfg.posemb == "2d":
                 self.pos_embed_2d = AxisPosEmbed(cfg.grid, d, with_class_slot=cfg.classifier == "token")
         self.pos_drop = nn.Dropout(cfg.dropout)  # Appendix B.1: after adding positions
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([Block(cfg, rate) for rate in drop_path_rates(cfg.drop_path_rate, cfg.depth)])
         self.norm = nn.LayerNorm(d, eps=1e-6)
         self.pre_logits = self._make_pre_logits(cfg.representation_size)
         self.head = self._make_head(cfg.num_classes, cfg.head_bias_init)
@@ -368,6 +403,7 @@ OPTIONS = {
     "posemb": f"position embedding: {', '.join(POSEMB_KINDS)} (Appendix D.4)",
     "dropout": "dropout rate (Appendix B.1 placement)",
     "attention_dropout": "dropout on attention weights",
+    "drop_path_rate": "stochastic depth of the last block; 0 at the first, linear in between",
     "gelu": "'tanh' (official JAX) or 'erf' (timm)",
     "attn_impl": "'sdpa' (fused) or 'explicit'",
     "grad_checkpointing": "recompute blocks in backward to save memory",
@@ -391,7 +427,7 @@ def create_model(variant: str, *, num_classes: int = 1000, img_size: int | tuple
         representation_size: size of the tanh pre-logits layer used in pre-training
             (the paper uses the width); None for the single linear fine-tuning head.
         **options: overrides from `OPTIONS` (depth, width, mlp_dim, num_heads, posemb,
-            dropout, attention_dropout, gelu, attn_impl, grad_checkpointing,
+            dropout, attention_dropout, drop_path_rate, gelu, attn_impl, grad_checkpointing,
             head_bias_init, in_chans).
     """
     if is_bit_variant(variant):

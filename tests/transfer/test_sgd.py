@@ -1,10 +1,11 @@
-"""transfer.sgd: the fine-tuning loop's Polyak averaging, and what a trial's worker prints as it is stopped."""
+"""transfer.sgd: the fine-tuning loop's Polyak averaging and layer-wise rates, and what a trial's worker prints as it is stopped."""
 from pathlib import Path
 
 import pytest
 import torch
 
-from transfer.sgd import Polyak
+import vitcore
+from training.ema import Polyak
 
 
 def test_polyak_average_is_what_the_run_evaluates():
@@ -68,3 +69,24 @@ def test_a_sigterm_landing_in_a_finalizer_prints_no_traceback_from_a_trial(ray_s
     err = "".join(p.read_text() for p in logs.glob(f"worker-*-{pid}.err"))
     assert "ValueError: a real fault in a finalizer" in err  # other unraisable errors still show
     assert ("SystemExit" in err) is not mute
+
+
+@pytest.mark.parametrize("variant", ["Ti/8", "BiT-mu"])
+def test_layer_decay_gives_each_group_base_times_decay_to_the_layers_from_the_top(variant):
+    from training.loop import set_lr
+    from transfer.sgd import layer_ids, sgd_param_groups
+
+    model = vitcore.create_model(variant, num_classes=3, img_size=16, **({"depth": 3} if variant == "Ti/8" else {}))
+    ids, top = layer_ids(model)
+    blocks = 3 if variant == "Ti/8" else sum(model.config.layers)
+    assert top == blocks + 1
+    if variant == "Ti/8":
+        assert ids["cls_token"] == ids["pos_embed"] == ids["patch_embed.proj.weight"] == 0
+        assert ids["blocks.0.attn.qkv.weight"] == 1 and ids["blocks.2.mlp.fc2.bias"] == 3
+    assert ids["head.weight" if variant == "Ti/8" else "head.fc.weight"] == top
+    opt = torch.optim.SGD(sgd_param_groups(model, 0.5), lr=0.1)
+    set_lr(opt, 0.2)
+    for group in opt.param_groups:
+        assert group["lr"] == pytest.approx(0.2 * 0.5 ** (top - group["layer"]))
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    assert [g["layer"] for g in opt.param_groups] == list(range(top + 1))

@@ -172,3 +172,31 @@ def test_hybrid_runs_at_small_resolution():
                                  mlp_dim=64)
     logits, out = model(torch.rand(1, 3, 32, 32), return_intermediates=True)
     assert logits.shape == (1, 3) and out["stem"].shape == (1, 4, 64)  # 32 / 16 = 2x2 tokens
+
+
+def test_stochastic_depth_is_identity_at_eval_and_leaves_the_state_dict_alone():
+    torch.manual_seed(0)
+    plain = vitcore.create_model("Ti/8", num_classes=3, img_size=16, depth=3)
+    torch.manual_seed(0)
+    deep = vitcore.create_model("Ti/8", num_classes=3, img_size=16, depth=3, drop_path_rate=0.5)
+    assert plain.state_dict().keys() == deep.state_dict().keys()
+    for (k, a), b in zip(plain.state_dict().items(), deep.state_dict().values()):
+        assert torch.equal(a, b), k
+    x = torch.randn(2, 3, 16, 16)
+    plain.eval(), deep.eval()
+    assert torch.equal(plain(x), deep(x))
+    assert [b.drop_path1.rate for b in deep.blocks] == pytest.approx([0.0, 0.25, 0.5])  # linear over depth
+
+
+def test_a_block_branch_is_dropped_at_its_rate_in_training():
+    from vitcore.model import drop_path
+
+    torch.manual_seed(0)
+    x = torch.ones(20_000, 4, 8)
+    out = drop_path(x, 0.3, training=True)
+    dropped = (out[:, 0, 0] == 0).float().mean().item()
+    assert dropped == pytest.approx(0.3, abs=0.015)
+    kept = out[:, 0, 0][out[:, 0, 0] != 0]
+    torch.testing.assert_close(kept, torch.full_like(kept, 1 / 0.7))
+    assert torch.equal(out[:, :1, :1].expand_as(out), out)  # one draw per image, the whole branch
+    assert drop_path(x, 0.0, training=True) is x  # rate 0 draws nothing
