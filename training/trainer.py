@@ -157,11 +157,11 @@ class Trainer:
         if self.ema is not None:
             self.ema.load_state_dict(state["ema"])
 
-    def plain_model(self, model_sd: dict) -> vitcore.VisionTransformer:
-        """The model file's ViT from a whole state dict: MPP's backbone without its patch head."""
+    def plain_model(self, model_sd: dict) -> torch.nn.Module:
+        """The model file's ViT or BiT ResNet from a whole state dict: MPP's backbone without its patch head."""
         if self.mpp:
             model_sd = {k[len("backbone."):]: v for k, v in model_sd.items() if k.startswith("backbone.")}
-        plain = vitcore.VisionTransformer(self.model.config)
+        plain = type(self.model)(self.model.config)
         plain.load_state_dict(model_sd)
         return plain
 
