@@ -295,13 +295,25 @@ def tiles(pool):
     return [img for name, img in pool if "@" in name]
 
 
+def _prepared(root: Path) -> Path:
+    """``root/src`` prepared at 32 px into ``root/shards``, its ingest logged to a store of its own."""
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VITSCALE_HOME", str(root / "home"))
+    try:
+        run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=32, workers=1))
+    finally:
+        mp.undo()
+    return root / "shards"
+
+
 @pytest.fixture(scope="session")
 def tiny_shards(tmp_path_factory):
     """A real shard set of 16 photo crops in two classes, prepared at 32 px: enough for the stages'
     checks, interrupts and resumes. Its ingest logs to a store of its own."""
     from common.photos import photo
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
 
     root = tmp_path_factory.mktemp("tiny")
     for cls, name in (("cat", "chelsea.png"), ("coffee", "coffee.png")):
@@ -309,31 +321,17 @@ def tiny_shards(tmp_path_factory):
         img = photo(name)
         for i in range(8):
             img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(root / "src" / cls / f"{i}.png")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "home"))
-    try:
-        run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=32, workers=1))
-    finally:
-        mp.undo()
-    return root / "shards"
+    return _prepared(root)
 
 
 @pytest.fixture(scope="session")
 def unlabelled_shards(tmp_path_factory):
     """A real shard set of 16 photo crops with no labels (a flat folder), prepared at 32 px."""
     from common.photos import photo
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
 
     root = tmp_path_factory.mktemp("unlabelled")
     (root / "src").mkdir()
     img = photo("chelsea.png")
     for i in range(16):
         img.crop((i * 10, i * 5, i * 10 + 200, i * 5 + 200)).save(root / "src" / f"{i}.png")
-    mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "home"))
-    try:
-        run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=32, workers=1))
-    finally:
-        mp.undo()
-    return root / "shards"
+    return _prepared(root)

@@ -88,9 +88,8 @@ def _members(raw, unit: Unit, max_bytes: int | None) -> Iterator[SourceItem]:
     url = unit.uris[0]
     if unit.index == STREAM:
         with tarfile.open(fileobj=raw, mode="r|*") as outer:
-            for member in outer:
-                if member.isfile() and not is_hidden(member.name):
-                    yield from _member_items(outer, member, url, max_bytes)
+            for member, _ in tar.file_members(outer):
+                yield from _member_items(outer, member, url, max_bytes)
         return
     raw.seek(unit.index)
     outer = tarfile.open(fileobj=raw, mode="r:")  # reads from here: the one member this unit is

@@ -105,17 +105,22 @@ def _refused(url: str, default_labels: tuple[str, ...], allowed_roots: tuple[str
     return None
 
 
+def file_members(archive) -> Iterator[tuple[tarfile.TarInfo, str]]:
+    """(member, name without a leading ``./``) of each regular, not hidden, file as the archive streams."""
+    for member in archive:
+        if not member.isfile():
+            continue
+        name = member.name[2:] if member.name.startswith("./") else member.name
+        if not is_hidden(name):
+            yield member, name
+
+
 def _members(archive, url: str, folder_labels: tuple[str, ...], max_bytes: int | None,
              seen: list[int], fallback: list[int]) -> Iterator[SourceItem]:
     """The archive's items; ``seen[0]`` counts the members reached, a failing one included, and
     ``fallback[0]`` those labelled with the archive's stem."""
     stem = _stem(url)
-    for member in archive:
-        if not member.isfile():
-            continue
-        name = member.name[2:] if member.name.startswith("./") else member.name
-        if is_hidden(name):
-            continue
+    for member, name in file_members(archive):
         labels = member_labels(name, folder_labels, stem)
         if labels is None:
             labels, fallback[0] = (stem,), fallback[0] + 1

@@ -201,12 +201,7 @@ def _samples(archive, max_bytes: int | None) -> Iterator[tuple[str, dict[str, by
     Only the first image and the label sidecars are read; a member above ``max_bytes`` is not.
     """
     key, data, names = None, {}, {}
-    for member in archive:
-        if not member.isfile():
-            continue
-        name = member.name[2:] if member.name.startswith("./") else member.name
-        if is_hidden(name):
-            continue
+    for member, name in tar.file_members(archive):
         k, ext = split_name(name)
         if k != key and names:
             yield key, data, names

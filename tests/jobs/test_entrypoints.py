@@ -160,20 +160,25 @@ def test_a_pretrained_file_that_is_not_a_checkpoint_is_refused_before_ray(job, f
     assert "Ray" not in out.stderr and not (tmp_path / "out").exists()
 
 
+
+def _stage_args(job: str, shards, tmp_path) -> list[str]:
+    """A small run of ``job`` (pretrain, finetune or vtab) on ``shards``, less its --output."""
+    task = tmp_path / "task"
+    task.mkdir()
+    for split in ("train800", "val200", "test"):
+        (task / split).symlink_to(shards, target_is_directory=True)
+    return {"pretrain": ["--data", str(shards), "--variant", "Ti/8", "--depth", "1", "--img-size", "32",
+                         "--batch-size", "4", "--num-workers", "1", "--holdout", "0"],
+            "finetune": ["--train", str(shards), "--test", str(shards)],
+            "vtab": ["--task", f"natural/mine={task}"]}[job]
+
 @pytest.mark.parametrize("job", ["pretrain", "finetune", "vtab"])
 def test_a_second_run_into_an_output_folder_in_use_is_refused_naming_the_holder(job, tiny_shards, tmp_path):
     # Two pretrain runs into one --output resumed the same run into the same checkpoint folders;
     # two sweeps restored the same Tune experiment and ran its trials twice.
     from common.locks import FolderLock
 
-    task = tmp_path / "task"
-    task.mkdir()
-    for split in ("train800", "val200", "test"):
-        (task / split).symlink_to(tiny_shards, target_is_directory=True)
-    data = {"pretrain": ["--data", str(tiny_shards), "--variant", "Ti/8", "--depth", "1", "--img-size", "32",
-                         "--batch-size", "4", "--num-workers", "1", "--holdout", "0"],
-            "finetune": ["--train", str(tiny_shards), "--test", str(tiny_shards)],
-            "vtab": ["--task", f"natural/mine={task}"]}[job]
+    data = _stage_args(job, tiny_shards, tmp_path)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     with FolderLock(out_dir, job):
@@ -187,14 +192,7 @@ def test_a_stage_into_a_folder_another_stage_owns_is_refused_before_it_writes(jo
     # A vtab started beside a finetune in one --output replaced the finetune's sweep state and Tune folders.
     from common.locks import OWNER_FILE, claim_folder
 
-    task = tmp_path / "task"
-    task.mkdir()
-    for split in ("train800", "val200", "test"):
-        (task / split).symlink_to(tiny_shards, target_is_directory=True)
-    data = {"pretrain": ["--data", str(tiny_shards), "--variant", "Ti/8", "--depth", "1", "--img-size", "32",
-                         "--batch-size", "4", "--num-workers", "1", "--holdout", "0"],
-            "finetune": ["--train", str(tiny_shards), "--test", str(tiny_shards)],
-            "vtab": ["--task", f"natural/mine={task}"]}[job]
+    data = _stage_args(job, tiny_shards, tmp_path)
     out_dir = tmp_path / "out"
     out_dir.mkdir()
     claim_folder(out_dir, owner)
