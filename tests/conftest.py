@@ -335,3 +335,28 @@ def unlabelled_shards(tmp_path_factory):
     for i in range(16):
         img.crop((i * 10, i * 5, i * 10 + 200, i * 5 + 200)).save(root / "src" / f"{i}.png")
     return _prepared(root)
+
+
+
+# Under ``-n``, a worker takes the next group when it is free: the longest go first, so neither
+# worker is left with a long one at the end. The shared demo chain, then the files whose tests
+# start clusters, interrupt stages or sweep (``--durations`` of a whole run shows them).
+_LONG_FIRST = ("small_demo", "tests/pipelines/test_benchmark.py", "tests/training/test_interrupt.py",
+               "tests/training/test_resume_guard.py", "tests/jobs/test_entrypoints.py",
+               "tests/training/test_trainer.py", "tests/training/test_knobs.py", "tests/transfer/test_vtab.py",
+               "tests/infra/test_local_cluster.py", "tests/training/test_progress.py",
+               "tests/pipelines/test_job.py", "tests/transfer/test_label_names.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Groups for ``pytest -n 2 --dist loadgroup`` (``make test``): a module's tests run on one
+    worker, so its module fixtures are built once, and every test of the shared demo chain runs on
+    the worker that built ``small_demo``. Without pytest-xdist's ``-n`` the marks do nothing and
+    the order is pytest's own."""
+    groups = {}
+    for item in items:
+        groups[item] = "small_demo" if "small_demo" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(groups[item]))
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller queues groups in this order
+        rank = {group: i for i, group in enumerate(_LONG_FIRST)}
+        items.sort(key=lambda item: rank.get(groups[item], len(rank)))
