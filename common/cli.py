@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 from common import progress
 from common.config import InputError, parse_args
+from common.disk import DiskFull, disk_line
 
 T = TypeVar("T")
 
@@ -76,6 +77,11 @@ def print_json(result: Any) -> None:
     print(json.dumps(result, indent=2, default=str))
 
 
+def _command(prog: str, argv: Sequence[str] | None) -> str:
+    """The command that ran this job, to repeat it."""
+    return shlex.join(["python", *(sys.argv if argv is None else [f"jobs/{prog}.py", *argv])])
+
+
 def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None = None, *, prog: str,
             report: Callable[[Any], None] = print_json,
             failures: tuple[type[BaseException], ...] = ()) -> int:
@@ -84,7 +90,9 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     Usage and config errors (including missing or malformed input paths, which the
     libraries raise as subclasses of ``InputError``) exit 2 with one line that
     names the field or file. A stage stopped by SIGINT or SIGTERM (:class:`Interrupted`) exits
-    128 + the signal with one line: what it kept and the command that resumes. ``failures`` are a job's own failed checks (counts that do
+    128 + the signal with one line: what it kept and the command that resumes. A full or read-only
+    disk (:mod:`common.disk`) exits 2 with one line: the path, its free space, what the stage kept
+    (:class:`~common.disk.DiskFull`) and the command that resumes. ``failures`` are a job's own failed checks (counts that do
     not reconcile, say): one line, exit 1. Anything else is a bug and keeps its traceback.
 
     Every entrypoint also takes ``--verbose`` and ``--progress-every SECONDS``
@@ -102,13 +110,16 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     with interrupts():
         try:
             result = runner(cfg)
+        except DiskFull as exc:
+            kept = f"; {exc.kept}" if exc.kept else ""
+            print(f"{prog}: error: {exc.line}{kept}; then resume with: {_command(prog, argv)}", file=sys.stderr)
+            return 2
         except InputError as exc:
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 2
         except Interrupted as exc:
-            command = shlex.join(["python", *(sys.argv if argv is None else [f"jobs/{prog}.py", *argv])])
-            print(f"{prog}: interrupted by {signal.Signals(exc.signum).name}; {exc.kept}; resume with: {command}",
-                  file=sys.stderr)
+            print(f"{prog}: interrupted by {signal.Signals(exc.signum).name}; {exc.kept}; resume with: "
+                  f"{_command(prog, argv)}", file=sys.stderr)
             return 128 + exc.signum
         except KeyboardInterrupt as exc:
             signum = getattr(exc, "signum", signal.SIGINT)
@@ -117,6 +128,12 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
         except failures as exc:
             print(f"{prog}: {exc}", file=sys.stderr)
             return 1
+        except Exception as exc:  # a full or read-only disk wherever it struck; anything else is a bug
+            line = disk_line(exc)
+            if line is None:
+                raise
+            print(f"{prog}: error: {line}; then resume with: {_command(prog, argv)}", file=sys.stderr)
+            return 2
     if result is not None:
         report(result)
     return 0

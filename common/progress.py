@@ -66,24 +66,62 @@ NOISE = (
 
 # A dropped line takes the traceback that follows it along: the lines after it with the
 # same Ray prefix ("(TrainController pid=1)") that are a traceback's header, frames or
-# final exception line.
+# final exception line. A Ray process's traceback (or Ray Train's failure report) is held until
+# its block ends (another process's line, or a second of quiet): a block that tells of a full or
+# read-only disk, and every block after one, is dropped, for the stage says it in one line
+# (common.disk); any other block is passed on whole.
 _FILTER = r"""
-import os, re, sys
+import os, re, select, sys
 noise = re.compile("|".join(sys.argv[1:]))
 prefix = re.compile(r"^(\x1b\[[0-9;]*m)?(\([^)]*pid=[0-9]+[^)]*\))(\x1b\[0m)? ?")
 follow = re.compile(r"^(Traceback |\s|[A-Za-z_][\w.]*(Error|Exception|Interrupt)\b)")
+opens = re.compile(r"^(Error in training function:|Traceback \(most recent call last\)|\[FailurePolicy\])")
+disk = re.compile(r"No space left on device|Read-only file system|\[errno (28|30)\]", re.I)
 out = os.fdopen(1, "wb", buffering=0)
-dropped = None
-for raw in sys.stdin.buffer:
+state = {"dropped": None, "owner": None, "held": [], "disk": False}
+
+def release():
+    block = b"".join(state["held"])
+    state["disk"] = state["disk"] or bool(disk.search(block.decode("utf-8", "replace")))
+    if not state["disk"]:
+        out.write(block)
+    state["owner"], state["held"] = None, []
+
+def take(raw):
     line = raw.decode("utf-8", "replace")
     m = prefix.match(line)
-    if dropped is not None and m is not None and m.group(2) == dropped and follow.match(line[m.end():]):
-        continue
+    who, rest = (m.group(2), line[m.end():]) if m else (None, line)
+    if state["owner"] is not None:
+        if who == state["owner"]:
+            state["held"].append(raw)
+            return
+        release()
+    if state["dropped"] is not None and who == state["dropped"] and follow.match(rest):
+        return
     if noise.search(line):
-        dropped = m.group(2) if m is not None else None
-        continue
-    dropped = None
+        state["dropped"] = who
+        return
+    state["dropped"] = None
+    if who is not None and opens.match(rest):
+        state["owner"], state["held"] = who, [raw]
+        return
     out.write(raw)
+
+pending = b""
+while True:
+    if state["owner"] is not None and not select.select([0], [], [], 1.0)[0]:
+        release()
+        continue
+    chunk = os.read(0, 65536)
+    if not chunk:
+        break
+    *lines, pending = (pending + chunk).split(b"\n")
+    for raw in lines:
+        take(raw + b"\n")
+if pending:
+    take(pending)
+if state["owner"] is not None:
+    release()
 """
 
 _state: dict = {"console": None, "tty": None}

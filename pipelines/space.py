@@ -14,6 +14,7 @@ import shutil
 import sys
 from typing import Sequence
 
+from common.disk import disk_error
 from common.fs import is_local, url_to_fs
 
 
@@ -56,21 +57,6 @@ def warn_if_short(output: str, inputs: Sequence[str]) -> None:
     if need is not None and free is not None and free < need:
         print(f"prepare: warning: output {output}: {_mb(free)} free, and this run may need up to {_mb(need)} "
               "(twice the inputs' bytes); free some space or choose another --output if it fails", file=sys.stderr)
-
-
-def disk_error(exc: BaseException) -> int | None:
-    """ENOSPC or EROFS when ``exc`` is one, or wraps one (Beam re-raises a worker's error in its
-    own, sometimes as text only); None otherwise."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS):
-            return exc.errno
-        for code in (errno.ENOSPC, errno.EROFS):
-            if f"[Errno {code}]" in str(exc):
-                return code
-        exc = exc.__cause__ or exc.__context__
-    return None
 
 
 class _DiskErrors(logging.Filter):

@@ -33,6 +33,7 @@ import pyarrow.fs
 from common import tracking
 from common.cli import Interrupted, interrupts
 from common.config import ConfigError, check
+from common.disk import DiskFull, disk_line
 from common.fs import atomic_write, make_output_dir, url_to_fs
 from common.jobenv import durable_path, is_url
 from common.locks import FolderLock, check_owner, claim_folder
@@ -395,6 +396,10 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
 
                     ray.shutdown()
                 raise Interrupted(getattr(exc, "signum", signal.SIGINT), _kept(cfg, storage, total_steps)) from None
+            except Exception as exc:  # a full disk at a checkpoint: what was kept, not a worker's traceback
+                if (line := disk_line(exc, where=storage[0])) is None:
+                    raise
+                raise DiskFull(line, _kept(cfg, storage, total_steps)) from None
             summary = _summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts)
             _publish(cfg, run, summary, shards, output, name)
             atomic_write(output / SUMMARY, json.dumps(summary, indent=2))

@@ -167,6 +167,17 @@ def _inside_run_dir(name) -> bool:
     return ".." not in parts and all(p not in ("", ".") for p in parts)
 
 
+def _cut_short(text: bytes) -> bool:
+    """True for a snapshot Ray began and could not finish: empty, or JSON that ends early."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        return exc.msg.startswith("Unterminated string") or exc.pos >= len(exc.doc.rstrip())
+    except ValueError:
+        return False
+    return False
+
+
 def check_resume_snapshot(storage_path: str, run_name: str | None, storage_filesystem=None) -> list[str]:
     """Refuse to resume from a Ray Train snapshot that names a checkpoint folder outside its run.
 
@@ -191,6 +202,12 @@ def check_resume_snapshot(storage_path: str, run_name: str | None, storage_files
             with storage_filesystem.open_input_stream(path) as f:
                 text = f.read()
     except FileNotFoundError:
+        return []
+    if storage_filesystem is None and _cut_short(text):
+        aside = path + ".unreadable"
+        os.replace(path, aside)
+        print(f"pretrain: warning: run_name {run_name!r}: {path} was cut short (a full disk as it was written, say); moved "
+              f"it to {aside}, and the run resumes from its newest checkpoint folder that verifies", file=sys.stderr)
         return []
     try:
         state = json.loads(text)

@@ -195,3 +195,24 @@ def test_progress_every_zero_turns_progress_off_and_a_bad_value_is_a_usage_error
     r = _job(tmp_path, "--progress-every", "-1")
     assert r.returncode == 2
     assert "progress_every: must be 0 (off) or a positive number of seconds, got -1.0" in r.stderr
+
+
+def test_a_ray_traceback_of_a_full_disk_is_dropped_and_any_other_passes_whole():
+    import subprocess
+    import sys
+
+    from common.progress import _FILTER, NOISE
+
+    def ray(pid, text):
+        return f"\x1b[36m(RayTrainWorker pid={pid})\x1b[0m {text}\n"
+
+    bug = ray(1, "Error in training function:") + ray(1, "Traceback (most recent call last):") + ray(1, '  File "x"') \
+        + ray(1, "ValueError: a bug")
+    disk = ray(2, "Error in training function:") + ray(2, "Traceback (most recent call last):") \
+        + ray(2, "OSError: [Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device")
+    fallout = "\x1b[36m(TrainController pid=3)\x1b[0m [FailurePolicy] RAISE\n" \
+              "\x1b[36m(TrainController pid=3)\x1b[0m   Source: worker group\n"
+    feed = bug + "job: between\n" + disk + fallout + "job: error: no space left on the disk writing /x\n"
+    out = subprocess.run([sys.executable, "-S", "-c", _FILTER, *NOISE], input=feed.encode(), capture_output=True,
+                         timeout=60).stdout.decode()
+    assert out == bug + "job: between\n" + "job: error: no space left on the disk writing /x\n"

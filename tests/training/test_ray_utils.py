@@ -65,6 +65,25 @@ def test_a_snapshot_of_ray_trains_own_names_passes_and_no_snapshot_is_no_resume(
     check_resume_snapshot(str(tmp_path / "ray"), None)
 
 
+@pytest.mark.parametrize("cut", [0, 100])
+def test_a_snapshot_cut_short_is_moved_aside_in_one_line_and_a_garbled_one_is_refused(tmp_path, capsys, cut):
+    from common.config import ConfigError
+    from training.ray_utils import check_resume_snapshot
+
+    _snapshot(tmp_path / "ray" / "run1", ["checkpoint_2026-01-01_00-00-00.000000"])
+    path = tmp_path / "ray" / "run1" / "checkpoint_manager_snapshot.json"
+    whole = path.read_bytes()
+    path.write_bytes(whole[:cut])  # what a full disk leaves of it
+    assert check_resume_snapshot(str(tmp_path / "ray"), "run1") == []
+    assert not path.exists() and (path.parent / (path.name + ".unreadable")).read_bytes() == whole[:cut]
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"pretrain: warning: run_name 'run1': {path} was cut short"), err
+
+    path.write_bytes(whole.replace(b"[", b"[?", 1))  # not Ray's, and not cut short: refused as before
+    with pytest.raises(ConfigError, match="is not a Ray Train snapshot Ray could have written"):
+        check_resume_snapshot(str(tmp_path / "ray"), "run1")
+
+
 def test_the_check_reads_a_snapshot_on_a_storage_filesystem(tmp_path):
     import pyarrow.fs
 
