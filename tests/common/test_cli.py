@@ -29,6 +29,28 @@ def test_an_input_error_is_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err == "job: error: name: /no/such not found; pass an existing folder\n"
 
 
+def test_a_full_or_read_only_disk_anywhere_in_a_stage_is_one_line_and_exit_2(capsys, tmp_path):
+    import errno
+
+    def runner(cfg):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "part-0"))
+        except OSError as exc:  # wrapped, as Ray and Beam hand a worker's error back
+            raise RuntimeError("worker failed") from exc
+
+    assert run_job(Cfg, runner, ["--name", "a b"], prog="job") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"job: error: no space left on the disk writing {tmp_path}/out/part-0 (")
+    assert err.endswith("MB free there); free some space; then resume with: python jobs/job.py --name 'a b'\n"), err
+
+    def read_only(cfg):
+        raise OSError(errno.EROFS, "Read-only file system", "/mnt/ro/x")
+
+    assert run_job(Cfg, read_only, [], prog="job") == 2
+    assert capsys.readouterr().err == ("job: error: /mnt/ro/x is on a read-only file system; give a writable folder; "
+                                       "then resume with: python jobs/job.py\n")
+
+
 def test_a_jobs_own_failure_is_one_line_and_exit_1_and_a_bug_keeps_its_traceback(capsys):
     class CountsDoNotReconcile(RuntimeError):
         pass
