@@ -331,6 +331,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
 
     chosen: list[str] = []
     units = plan_inputs(cfg, chosen)
+    stated = stated_counts(cfg)
     cluster_workers = runners.check_dask(cfg)
     label_map = load_label_map(cfg.label_map) if cfg.label_map else declared_label_map(units)
     test_sets = cfg.test_sets()
@@ -351,9 +352,8 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             with space.quiet_disk_errors():
                 plan_dir = staging.new_folder(fs, root, "plan")
                 job = _Job(cfg, folder, engine, run, staging.write_plan(units, fs.unstrip_protocol(plan_dir)),
-                           len(units), worker_counts.known_inputs(units), label_map, test_sets)
+                           len(units), worker_counts.known_inputs(units), label_map, test_sets, stated=stated)
                 del units  # the plan is in its files now; the driver does not hold it while the job runs
-                job.stated = stated_counts(cfg)
                 return _ingest(job, plan_dir)
         except Exception as exc:
             code = space.disk_error(exc)

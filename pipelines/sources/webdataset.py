@@ -154,11 +154,14 @@ def stated_samples(source: str, split: str | None) -> tuple[str, int] | None:
     root = root.rstrip("/") or "/"
     if not fs.isdir(root):
         return None
-    info = _info(fs, root)
-    if not info or not info.get("splits"):
+    try:
+        info = _info(fs, root)
+        if not isinstance(info, dict) or not isinstance(info.get("splits"), dict) or not info["splits"]:
+            return None
+        name, entry = _split_entry(source, info["splits"], split)
+    except SourceError:  # not read as WebDataset, or refused when it was planned
         return None
-    name, entry = _split_entry(source, info["splits"], split)
-    n = entry.get("num_samples")
+    n = entry.get("num_samples") if isinstance(entry, dict) else None
     return (name, n) if isinstance(n, int) and not isinstance(n, bool) else None
 
 

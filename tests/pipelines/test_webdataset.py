@@ -164,3 +164,14 @@ def test_a_split_read_short_of_its_stated_samples_is_one_warning(tmp_path, image
     lines = [line for line in capsys.readouterr().err.splitlines() if "_info.json states" in line]
     assert len(lines) == 1
     assert lines[0].startswith(f"prepare: warning: {root}: _info.json states 8 samples in split 'train'; 5 were read.")
+
+
+def test_stated_counts_are_compared_only_when_every_input_states_one():
+    from pipelines.ingest import check_stated
+
+    stated = [("/a", "train", 8), ("/b", "train", 4)]
+    assert check_stated(stated, ["/a", "/b"], 12) is None
+    line = check_stated(stated, ["/a", "/b"], 11)
+    assert "/a: _info.json states 8 samples in split 'train'; /b: _info.json states 4" in line
+    assert "11 were read" in line and "\n" not in line
+    assert check_stated(stated[:1], ["/a", "/c"], 11) is None  # /c states nothing: no total to compare
