@@ -150,16 +150,18 @@ def _split_entry(source: str, splits: dict, split: str | None) -> tuple[str, dic
 def stated_samples(source: str, split: str | None) -> tuple[str, int] | None:
     """(split, samples) when ``source`` is a folder whose ``_info.json`` states the size of the split
     read (timm's ``num_samples``), else None."""
-    fs, root = url_to_fs(source)
-    root = root.rstrip("/") or "/"
-    if not fs.isdir(root):
+    if shard_urls(source) is not None:
         return None
     try:
+        fs, root = url_to_fs(source)
+        root = root.rstrip("/") or "/"
+        if not fs.isdir(root):
+            return None
         info = _info(fs, root)
         if not isinstance(info, dict) or not isinstance(info.get("splits"), dict) or not info["splits"]:
             return None
         name, entry = _split_entry(source, info["splits"], split)
-    except SourceError:  # not read as WebDataset, or refused when it was planned
+    except (SourceError, OSError, ValueError):  # a check that warns never refuses a run its plan read
         return None
     n = entry.get("num_samples") if isinstance(entry, dict) else None
     return (name, n) if isinstance(n, int) and not isinstance(n, bool) else None
