@@ -50,7 +50,7 @@ from pipelines.config import PrepareConfig, PrepareError
 from pipelines.graph import build_pipeline
 from pipelines.labels import renumbered
 from pipelines.output import OutputFolder
-from pipelines.sources import SourceError, Unit, detect_format, hf_parquet, plan
+from pipelines.sources import SourceError, Unit, detect_format, hf_parquet, plan, webdataset
 from pipelines.sources.labels import label_files
 
 log = logging.getLogger(__name__)
@@ -101,6 +101,23 @@ def _inside(child: str, parent: str) -> bool:
     fp, pp = url_to_fs(parent)
     c, p = fc.unstrip_protocol(pc), fp.unstrip_protocol(pp)
     return c == p or c.startswith(p.rstrip("/") + "/")
+
+
+def stated_counts(cfg: PrepareConfig) -> list[tuple[str, str, int]]:
+    """(input, split, samples) of each input whose timm ``_info.json`` states the size of the split read."""
+    if cfg.format not in ("auto", webdataset.NAME):
+        return []
+    return [(src, *found) for src in cfg.input for found in [webdataset.stated_samples(src, cfg.split)] if found]
+
+
+def check_stated(stated: list[tuple[str, str, int]], inputs: list[str], read: int) -> str | None:
+    """A one-line warning when the samples read differ from what the inputs' ``_info.json`` state;
+    None when they agree or some input states no count (then there is nothing to compare)."""
+    if not stated or len(stated) != len(inputs) or sum(n for *_, n in stated) == read:
+        return None
+    said = "; ".join(f"{src}: _info.json states {n} samples in split {split!r}" for src, split, n in stated)
+    return (f"{said}; {read} were read. A shard may be missing, truncated or of another split; "
+            "check the shards against _info.json")
 
 
 def _plan_source(src: str, cfg: PrepareConfig, chosen: list[str]) -> list[Unit]:
@@ -182,6 +199,7 @@ class _Job:
     label_map: Mapping[str, int] | None
     test_sets: dict[str, str]
     index: Any = None  # the test sets' index, when there are test sets
+    stated: list = dataclasses.field(default_factory=list)  # (input, split, samples) its _info.json states
 
     @property
     def fs(self):
@@ -313,6 +331,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
 
     chosen: list[str] = []
     units = plan_inputs(cfg, chosen)
+    stated = stated_counts(cfg)
     cluster_workers = runners.check_dask(cfg)
     label_map = load_label_map(cfg.label_map) if cfg.label_map else declared_label_map(units)
     test_sets = cfg.test_sets()
@@ -333,7 +352,7 @@ def run_prepare(cfg: PrepareConfig) -> dict:
             with space.quiet_disk_errors():
                 plan_dir = staging.new_folder(fs, root, "plan")
                 job = _Job(cfg, folder, engine, run, staging.write_plan(units, fs.unstrip_protocol(plan_dir)),
-                           len(units), worker_counts.known_inputs(units), label_map, test_sets)
+                           len(units), worker_counts.known_inputs(units), label_map, test_sets, stated=stated)
                 del units  # the plan is in its files now; the driver does not hold it while the job runs
                 return _ingest(job, plan_dir)
         except Exception as exc:
@@ -358,6 +377,9 @@ def _ingest(job: _Job, plan_dir: str) -> dict:
     manifest["mlflow_run_id"] = run.info.run_id
     manifest["config"] = vconfig.to_dict(cfg)
     _check_written(job, summary, [folder_of_run, plan_dir])
+    warning = check_stated(job.stated, cfg.input, manifest["counts"]["inputs"])
+    if warning:
+        print(f"prepare: warning: {warning}", file=sys.stderr)
 
     job.folder.swap(f"{folder_of_run}/shards", manifest,
                      {schema.QUARANTINE: staging.jsonl(quarantine), schema.DUPLICATES: staging.jsonl(duplicates)})

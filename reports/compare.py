@@ -56,27 +56,50 @@ def _fmt(value: float) -> str:
     return f"{value:.3f}" if abs(value) < 100 else f"{value:.4g}"
 
 
-def _digest(run: Run) -> str:
-    """What a run read: runs are ranked together only when it is the same. The content digest (shards
-    and label map) where the run logged one; the manifest's digest for runs logged before it."""
-    return run.tags.get(TAG_INPUT_DATA) or run.tags.get(TAG_INPUT_MANIFEST, "")
-
-
-def _group_key(run: Run) -> str:
-    # Runs on other data or with another objective share no scale: a one-class set scores 1.000.
+def _group_parts(run: Run) -> tuple[str, str]:
+    """(what the run is, the name of its data): runs on other data or with another objective share
+    no scale, since a one-class set scores 1.000."""
     p = run.params
     if run.stage == "pretrain":
-        name = posixpath.basename(posixpath.normpath(p.get("data") or "?"))
-        return f"objective {p.get('objective', 'classification')} on {name}"
+        return f"objective {p.get('objective', 'classification')} on", posixpath.basename(
+            posixpath.normpath(p.get("data") or "?"))
     if run.stage == "finetune":
         name = p.get("dataset")
         if not name or name == "None":
             name = posixpath.basename(posixpath.normpath(p.get("train", "?")))
-        return f"on {name}"
+        return "on", name
     if run.stage in ("vtab", "fewshot"):
         tasks = run.param_list("tasks")
-        return "tasks " + ", ".join(sorted(t.split("/")[-1] for t in tasks)) if tasks else "tasks ?"
-    return ""
+        return ("tasks " + ", ".join(sorted(t.split("/")[-1] for t in tasks)) if tasks else "tasks ?"), ""
+    return "", ""
+
+
+def _group_key(run: Run) -> str:
+    kind, name = _group_parts(run)
+    return f"{kind} {name}".strip()
+
+
+def _data_key(run: Run) -> tuple[str, str]:
+    """Runs are ranked together only when this is the same. What the shards hold (their sha256 and
+    the label map) where the run logged it, whatever the folder is called, so that re-ingests of the
+    same images meet; else the folder's name and its manifest's digest, for runs logged before it."""
+    if run.stage not in ("pretrain", "finetune"):
+        return _group_key(run), ""
+    if run.tags.get(TAG_INPUT_DATA):
+        return _group_parts(run)[0], run.tags[TAG_INPUT_DATA]
+    return _group_key(run), run.tags.get(TAG_INPUT_MANIFEST, "")
+
+
+def _titles(by_data: dict[tuple[str, str], list[Run]]) -> dict[str, list[Run]]:
+    """Each group by its title: what its runs are and the names of their data; one name for two
+    data sets is told apart by the digest of what they hold."""
+    titles = {}
+    for key, members in by_data.items():
+        names = ", ".join(sorted({_group_parts(m)[1] for m in members}))
+        titles[key] = f"{_group_parts(members[0])[0]} {names}".strip()
+    names = list(titles.values())
+    return {(f"{t} (data {key[1][:12]})" if key[1] and names.count(t) > 1 else t): by_data[key]
+            for key, t in titles.items()}
 
 
 def _key_metric(stage: str, runs: list[Run]) -> tuple[str, bool, list[str]]:
@@ -127,11 +150,8 @@ def rank(store: Store, runs: list[Run], lineage: LineageIndex) -> list[Ranking]:
         by_data: dict[tuple[str, str], list[Run]] = {}
         for r in runs:
             if r.stage == stage and r.status == "FINISHED":
-                by_data.setdefault((_group_key(r), _digest(r) if stage in ("pretrain", "finetune") else ""), []).append(r)
-        names = [k for k, _ in by_data]
-        # One folder name for two data sets: the title tells them apart by the digest of what they hold.
-        groups = {(f"{k} (data {d[:12]})" if d and names.count(k) > 1 else k): m for (k, d), m in by_data.items()}
-        for key, members in groups.items():
+                by_data.setdefault(_data_key(r), []).append(r)
+        for key, members in _titles(by_data).items():
             metric, higher, shown = _key_metric(stage, members)
             missing = float("-inf") if higher else float("inf")
             members = sorted(members, key=lambda r: r.metrics.get(metric, missing), reverse=higher)

@@ -163,7 +163,7 @@ def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
             feature_s = time.perf_counter() - t0
             shots = evaluate_task(train_x, train_y, test_x, test_y, t["num_classes"], list(cfg.shots), seeds,
                                   cfg.l2_reg)
-            per_task[name] = {"group": t["group"], "shots": shots}
+            per_task[name] = {"group": t["group"], "label_map": t["label_map"], "shots": shots}
             line.above(f"task {name} ({i + 1}/{len(tasks)}): done in {duration(time.perf_counter() - t0)}, "
                        + ", ".join(f"{k}-shot accuracy {r['mean']:.3f}" for k, r in shots.items() if "mean" in r))
             with tracking.start_run("fewshot-task", run_name=f"fewshot {name}", parent_run_id=run.info.run_id,

@@ -156,9 +156,10 @@ def choose_setting(val: dict[tuple, dict[str, float]], task_names: list[str], se
 
 
 def aggregate(tasks: dict[str, dict], setting: dict, val: dict[str, float], test: dict[str, float]) -> dict:
-    """The results as VTAB reports them: the chosen setting, per-task val/test, the mean of each group
-    and the mean over every task."""
-    per_task = {n: {"group": tasks[n]["group"], "val_accuracy": val[n], "test_accuracy": test[n]} for n in tasks}
+    """The results as VTAB reports them: the chosen setting, per-task val/test (with the task's label
+    map, so its class ids can be read), the mean of each group and the mean over every task."""
+    per_task = {n: {"group": tasks[n]["group"], "label_map": tasks[n]["label_map"], "val_accuracy": val[n],
+                    "test_accuracy": test[n]} for n in tasks}
     groups = {g: mean(r["test_accuracy"] for r in per_task.values() if r["group"] == g)
               for g in GROUPS if any(r["group"] == g for r in per_task.values())}
     return {"setting": dict(setting), "tasks": per_task, "groups": groups,

@@ -284,7 +284,7 @@ def _task_folders(data_root: str | None, task: list[str], no_flip: Sequence[str]
 
 def resolve_tasks(data_root: str | None, task: list[str], *, no_flip: Sequence[str] = (),
                   no_crop: Sequence[str] = ()) -> dict[str, dict]:
-    """Every task of a run: ``{name: {"dir", "group", "num_classes", "flip", "crop", "registry"}}``.
+    """Every task of a run: ``{name: {"dir", "group", "num_classes", "label_map", "flip", "crop", "registry"}}``.
 
     ``data_root`` holds every registry task; ``task`` adds ``NAME=DIR`` or ``GROUP/NAME=DIR``
     entries, and ``no_flip``/``no_crop`` name the user's tasks a flip or crop would relabel.
@@ -315,8 +315,8 @@ def resolve_tasks(data_root: str | None, task: list[str], *, no_flip: Sequence[s
             check_labelled(sets[split], f"task {name}", unlabelled_fix="a task needs labelled splits; prepare it "
                            f"with: {split_command(name, str(path), registry)}", several_fix="prepare it with one "
                            "label a row")
-        tasks[name] = {"dir": str(path), "group": t.group, "num_classes": classes, "flip": t.flip,
-                       "crop": t.crop, "registry": registry}
+        tasks[name] = {"dir": str(path), "group": t.group, "num_classes": classes, "label_map": maps["train800"],
+                       "flip": t.flip, "crop": t.crop, "registry": registry}
     return tasks
 
 

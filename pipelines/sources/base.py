@@ -65,7 +65,8 @@ class Unit:
 
     kind: str
     uris: tuple[str, ...]
-    # per uri for "files"; (default,) for "tar"; ((label_key,) or (),) for "webdataset";
+    # per uri for "files"; (default,) for "tar", or (default, stems, labels) with --labels;
+    # ((label_key,) or (),) for "webdataset";
     # (class names, (image column,), (label column,)) for "hf_parquet"
     labels: tuple[tuple[str, ...], ...] = ()
     index: int = 0  # shard index for "shard_set", row group for "hf_parquet"

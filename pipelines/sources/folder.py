@@ -3,14 +3,15 @@
 ``train/n01440764/x.JPEG`` -> ``n01440764`` (the ImageNet layout); files directly under the root
 have no label. Hidden files and folders (``.DS_Store``, ``._x.jpg``) are skipped. Any other file
 is an item, so a stray ``README.txt`` is quarantined as ``not_an_image`` rather than silently
-ignored. Tar archives in the tree are read as archives (:mod:`pipelines.sources.tar`).
+ignored. Tar archives in the tree are read as archives (:mod:`pipelines.sources.tar`), and a tar
+of per-class tars as ImageNet's train archive (:mod:`pipelines.sources.imagenet`).
 """
 from __future__ import annotations
 
 import os
 
 from common.fs import is_local
-from pipelines.sources import tar
+from pipelines.sources import imagenet, tar
 from pipelines.sources.base import FileBatcher, Reader, Unit, is_hidden
 
 
@@ -43,7 +44,9 @@ def _plan(source: str, fs, root: str, files_per_unit: int, options=None) -> list
         labels = (parts[0],) if len(parts) > 1 else ()
         url = fs.unstrip_protocol(path)
         if tar.is_tar(path):
-            units.append(tar.unit(url, path, labels))
+            # ImageNet's train archive in a folder is a tar of class tars, not a class of its own.
+            units.extend(imagenet.READER.plan(url, fs, path, files_per_unit) if imagenet.READER.detect(fs, path)
+                         else [tar.unit(url, path, labels)])
             continue
         files.add(url, labels)
     files.flush()

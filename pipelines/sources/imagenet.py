@@ -5,7 +5,8 @@ class's ``n01440764_10026.JPEG`` ... An image's label is its inner tar's WNID. C
 the label map's default, the sorted WNIDs, which is the order torchvision and timm use, so ids
 match published models.
 
-An uncompressed outer archive is planned as one unit per inner tar (its header offset), so the
+The archive may be the input, or sit in a folder input (:mod:`pipelines.sources.folder` plans
+it here). An uncompressed outer archive is planned as one unit per inner tar (its header offset), so the
 classes are read in parallel; a compressed one can only be streamed, as one unit.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pipelines.sources.base import Reader, SourceItem, Unit, is_hidden, text_lab
 
 NAME = "imagenet"
 STREAM = -1  # the unit's index when the outer archive is compressed: stream it whole
+PROBE_BYTES = 1 << 16
 
 
 def _inner(member: tarfile.TarInfo) -> bool:
@@ -35,7 +37,8 @@ def _detect(fs, path: str) -> bool:
     if not tar.is_tar(path) or not fs.isfile(path):
         return False
     try:
-        with fs.open(path, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as archive:
+        # A small block: a folder of many archives is probed one header each, not megabytes each.
+        with fs.open(path, "rb", block_size=PROBE_BYTES) as raw, tarfile.open(fileobj=raw, mode="r|*") as archive:
             first = next(iter(archive), None)
     except (tarfile.TarError, EOFError, OSError, ValueError):
         return False

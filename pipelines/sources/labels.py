@@ -1,4 +1,5 @@
-"""Labels for a flat folder of images from a label file (``--labels``), as ImageNet's validation set ships.
+"""Labels for a flat folder of images, or a flat tar of them, from a label file (``--labels``), as
+ImageNet's validation set ships.
 
 Two forms:
 
@@ -9,7 +10,9 @@ Two forms:
   the sorted order of the folder's file names, with ``--synsets`` to name the ids: a list of
   WNIDs in id order (``LOC_synset_mapping.txt``'s first column), or the devkit's ``meta.mat``.
 
-Only items without a label are labelled; the class ids then follow the default sorted names.
+Only items without a label are labelled: files directly under the input, and the members of an
+archive that sit in no class folder (``ILSVRC2012_img_val.tar``); the class ids then follow the
+default sorted names.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import posixpath
 
 import fsspec
 
+from pipelines.sources import tar
 from pipelines.sources.base import SourceError, Unit
 
 
@@ -84,22 +88,40 @@ def _stem(uri: str) -> str:
     return posixpath.splitext(posixpath.basename(uri))[0]
 
 
-def label_files(units: list[Unit], labels: str, synsets: str | None) -> list[Unit]:
-    """``units`` with every unlabelled file labelled from ``labels``; a SourceError when a file has no
-    label there or the file cannot be used."""
-    unlabelled = [uri for u in units if u.kind == "files" and u.error is None
-                  for uri, lab in zip(u.uris, u.labels) if not lab]
-    text = _read_text(labels, "labels")
+def _tar_members(units: list[Unit]) -> dict[str, list[str]]:
+    """``{archive url: its members in no class folder}`` of the archives not inside a class folder."""
+    return {u.uris[0]: tar.unlabelled_members(u.uris[0]) for u in units
+            if u.kind == tar.READER.name and u.error is None and not u.labels[0]}
+
+
+def _by_name(text: str, labels: str, synsets: str | None, stems: list[str]) -> dict[str, str]:
     if text.lstrip().split(",", 1)[0].strip().lstrip("\ufeff") == "ImageId":
-        by_name = _solution_csv(text, labels)
-    elif synsets is None:
+        return _solution_csv(text, labels)
+    if synsets is None:
         raise SourceError(f"labels: {labels} is not LOC_val_solution.csv; a ground-truth file of ids needs "
                           "--synsets (the devkit's meta.mat or a WNID list)")
-    else:
-        by_name = _ground_truth(text, labels, read_synsets(synsets), [_stem(u) for u in unlabelled])
-    missing = [uri for uri in unlabelled if _stem(uri) not in by_name]
+    return _ground_truth(text, labels, read_synsets(synsets), stems)
+
+
+def _labelled(u: Unit, by_name: dict[str, str], members: dict[str, list[str]]) -> Unit:
+    if u.error is None and u.kind == "files":
+        return dataclasses.replace(u, labels=tuple(lab or (by_name[_stem(uri)],) for uri, lab in zip(u.uris, u.labels)))
+    if u.error is None and members.get(u.uris[0]):
+        return tar.with_file_labels(u, {tar.file_stem(m): by_name[tar.file_stem(m)] for m in members[u.uris[0]]})
+    return u
+
+
+def label_files(units: list[Unit], labels: str, synsets: str | None) -> list[Unit]:
+    """``units`` with every unlabelled file, and every archive member in no class folder, labelled
+    from ``labels``; a SourceError when one has no label there or the file cannot be used."""
+    # (where, file stem) of each: a member's stem is its own name's, not its archive's.
+    unlabelled = [(uri, _stem(uri)) for u in units if u.kind == "files" and u.error is None
+                  for uri, lab in zip(u.uris, u.labels) if not lab]
+    members = _tar_members(units)
+    unlabelled += [(f"tar://{m}::{url}", tar.file_stem(m)) for url, names in members.items() for m in names]
+    by_name = _by_name(_read_text(labels, "labels"), labels, synsets, [stem for _, stem in unlabelled])
+    missing = [uri for uri, stem in unlabelled if stem not in by_name]
     if missing:
         raise SourceError(f"labels: {len(missing)} of {len(unlabelled)} unlabelled files have no label in {labels}, "
-                          f"e.g. {missing[0]}; pass the label file of this folder")
-    return [dataclasses.replace(u, labels=tuple(lab or (by_name[_stem(uri)],) for uri, lab in zip(u.uris, u.labels)))
-            if u.kind == "files" and u.error is None else u for u in units]
+                          f"e.g. {missing[0]}; pass the label file of this input")
+    return [_labelled(u, by_name, members) for u in units]

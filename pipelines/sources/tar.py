@@ -4,11 +4,13 @@ A member's class follows the folder reader's rule (:mod:`pipelines.sources.folde
 read as the folder that was tarred: an archive inside a class folder gives its members that class;
 otherwise a member's class is its first folder level inside the archive, below a top folder named
 as the archive (``tar czf train.tar.gz train/`` holds ``train/cat/1.jpg``: class ``cat``). A member
-in no class folder takes the archive's stem, as ImageNet-21k's one ``n01440764.tar`` per class
-needs; the Beam counter ``labels_from_archive_name`` counts them and each worker says so once.
+in no class folder takes its label from ``--labels`` when given (ImageNet's validation tar, a flat
+tar of JPEGs), else the archive's stem, as ImageNet-21k's one ``n01440764.tar`` per class needs;
+the Beam counter ``labels_from_archive_name`` counts those and each worker says so once.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import posixpath
 import tarfile
@@ -115,13 +117,39 @@ def file_members(archive) -> Iterator[tuple[tarfile.TarInfo, str]]:
             yield member, name
 
 
+def file_stem(name: str) -> str:
+    """A file's name without its folder and extension: how a label file (``--labels``) names it."""
+    return posixpath.splitext(posixpath.basename(name))[0]
+
+
+def unlabelled_members(url: str) -> list[str]:
+    """The names of the archive's members that sit in no class folder, from its headers (an
+    uncompressed archive is seeked through, not read); as far as it can be read."""
+    stem, names = _stem(url), []
+    try:
+        with fsspec.open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r:*") as archive:
+            names.extend(name for _, name in file_members(archive) if member_labels(name, (), stem) is None)
+    except (tarfile.TarError, EOFError, OSError, ValueError):
+        pass  # reading it quarantines it as corrupt_archive, with where it breaks
+    return names
+
+
+def with_file_labels(u: Unit, by_stem: dict[str, str]) -> Unit:
+    """Archive unit ``u`` whose members in no class folder take their label from ``by_stem`` (``--labels``)."""
+    stems = tuple(sorted(by_stem))
+    return dataclasses.replace(u, labels=(u.labels[0], stems, tuple(by_stem[s] for s in stems)))
+
+
 def _members(archive, url: str, folder_labels: tuple[str, ...], max_bytes: int | None,
-             seen: list[int], fallback: list[int]) -> Iterator[SourceItem]:
+             seen: list[int], fallback: list[int], by_stem: dict[str, str] | None = None) -> Iterator[SourceItem]:
     """The archive's items; ``seen[0]`` counts the members reached, a failing one included, and
-    ``fallback[0]`` those labelled with the archive's stem."""
+    ``fallback[0]`` those labelled with the archive's stem. A member in no class folder takes its
+    label from ``by_stem`` (a label file's, by file stem) when that names it."""
     stem = _stem(url)
     for member, name in file_members(archive):
         labels = member_labels(name, folder_labels, stem)
+        if labels is None and by_stem and file_stem(name) in by_stem:
+            labels = (by_stem[file_stem(name)],)
         if labels is None:
             labels, fallback[0] = (stem,), fallback[0] + 1
         uri = f"tar://{name}::{url}"
@@ -141,6 +169,7 @@ def _expand(unit: Unit, max_bytes: int | None = None,
             allowed_roots: tuple[str, ...] | None = None) -> Iterator[SourceItem]:
     url, folder_labels = unit.uris[0], unit.labels[0]
     default_labels = folder_labels or (_stem(url),)
+    by_stem = dict(zip(unit.labels[1], unit.labels[2])) if len(unit.labels) == 3 else None
     seen, fallback = [0], [0]
     try:
         refused = _refused(url, default_labels, allowed_roots)
@@ -148,7 +177,7 @@ def _expand(unit: Unit, max_bytes: int | None = None,
             yield refused
             return
         with fsspec.open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r|*") as archive:
-            yield from _members(archive, url, folder_labels, max_bytes, seen, fallback)
+            yield from _members(archive, url, folder_labels, max_bytes, seen, fallback, by_stem)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         where = f"after {seen[0]} member(s)" if seen[0] else "before the first member"
         yield SourceItem(text_uri(url), text_labels(default_labels), error=("corrupt_archive", text_uri(

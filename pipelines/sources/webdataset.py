@@ -9,7 +9,8 @@ unlabelled; so does a sample with neither, unless ``--label-key`` was given (the
 ``bad_label``: a field the command names and the sample lacks is a mistake, not a missing label). Sidecars are never items: a sample is one input, and one without an image is
 quarantined as ``sample_without_image``.
 
-A source is one shard, a folder of them (split by timm's ``_info.json`` when it has one), a brace
+A source is one shard, a folder of them (split by timm's ``_info.json`` when it has one; the
+ingest compares the split's stated ``num_samples`` with what it read), a brace
 pattern ``name-{000000..000127}.tar`` or a ``::``-joined list of shards. Shards stream member by
 member; only the sample being read is held.
 """
@@ -24,6 +25,7 @@ from typing import Iterator
 
 import fsspec
 
+from common.fs import url_to_fs
 from pipelines.decode import BadImage
 from pipelines.schema import text_uri
 from pipelines.sources import tar
@@ -134,21 +136,42 @@ def _info(fs, root: str) -> dict | None:
     return None
 
 
-def _split_files(source: str, splits: dict, split: str | None) -> list[str]:
-    """The shard names of ``split`` in an ``_info.json``'s ``splits`` (timm's layout)."""
+def _split_entry(source: str, splits: dict, split: str | None) -> tuple[str, dict]:
+    """(name, entry) of the split read from an ``_info.json``'s ``splits`` (timm's layout)."""
     if split is None and len(splits) == 1:
         split = next(iter(splits))
     if split is None or split not in splits:
         what = "holds" if split is None else f"has no split {split!r}; it holds"
         raise SourceError(f"{source}: its _info.json {what} the splits {', '.join(splits)}; "
                           "pass --split NAME to read one")
-    return list(splits[split].get("filenames", ()))
+    return split, splits[split]
+
+
+def stated_samples(source: str, split: str | None) -> tuple[str, int] | None:
+    """(split, samples) when ``source`` is a folder whose ``_info.json`` states the size of the split
+    read (timm's ``num_samples``), else None."""
+    if shard_urls(source) is not None:
+        return None
+    try:
+        fs, root = url_to_fs(source)
+        root = root.rstrip("/") or "/"
+        if not fs.isdir(root):
+            return None
+        info = _info(fs, root)
+        if not isinstance(info, dict) or not isinstance(info.get("splits"), dict) or not info["splits"]:
+            return None
+        name, entry = _split_entry(source, info["splits"], split)
+    except (SourceError, OSError, ValueError):  # a check that warns never refuses a run its plan read
+        return None
+    n = entry.get("num_samples") if isinstance(entry, dict) else None
+    return (name, n) if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def _folder_shards(source: str, fs, root: str, split: str | None) -> list[str]:
     info = _info(fs, root)
     if info and info.get("splits"):
-        return [fs.unstrip_protocol(f"{root}/{name}") for name in _split_files(source, info["splits"], split)]
+        _, entry = _split_entry(source, info["splits"], split)
+        return [fs.unstrip_protocol(f"{root}/{name}") for name in entry.get("filenames", ())]
     shards = sorted(p for p in fs.ls(root, detail=False) if tar.is_tar(p) and not is_hidden(posixpath.basename(p)))
     if split is not None:
         shards = [p for p in shards if split in re.split(r"[-_.]", posixpath.basename(p))]

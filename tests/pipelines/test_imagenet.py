@@ -154,3 +154,68 @@ def test_prepare_ingests_the_validation_folder_with_sorted_wnid_ids(val_folder, 
     for i in range(len(shards)):
         row = shards[i]
         assert (shards.label_names[row["labels"][0]],) == expected[row["source"].rsplit("/", 1)[1]]
+
+
+def test_prepare_reads_the_train_archive_inside_a_folder_input(tmp_path, class_images, prepare):
+    # The folder reader used to read it as one plain tar: its class tars quarantined, labelled with its name.
+    folder = tmp_path / "imagenet"
+    folder.mkdir()
+    _train_archive(folder / "ILSVRC2012_img_train.tar", class_images)
+    manifest = prepare(input=[str(folder)], output=str(tmp_path / "out"), size=32)
+    assert manifest["counts"]["written"] == len(WNIDS) * PER_CLASS and manifest["counts"]["rejected_total"] == 0
+    assert manifest["label_map"] == {w: i for i, w in enumerate(sorted(WNIDS))}
+    shards = ShardSet(tmp_path / "out")
+    for i in range(len(shards)):
+        row = shards[i]
+        assert f"::tar://{shards.label_names[row['labels'][0]]}.tar::" in row["source"]
+
+
+@pytest.fixture(scope="module")
+def val_tar(val_folder):
+    """ImageNet's validation set as it downloads: ILSVRC2012_img_val.tar, a flat tar of the JPEGs."""
+    path = val_folder / "tar" / "ILSVRC2012_img_val.tar"
+    path.parent.mkdir()
+    with tarfile.open(path, "w") as archive:
+        for f in sorted((val_folder / "val").iterdir()):
+            _add(archive, f.name, f.read_bytes())
+    return path
+
+
+def _member_labels(val_folder, val_tar, **kw) -> dict[str, tuple]:
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import plan_inputs
+    from pipelines.sources import expand
+
+    units = plan_inputs(PrepareConfig(input=[str(val_tar)], output=str(val_folder / "out-tar"), workers=1, **kw))
+    return {item.uri.split("::")[0].rsplit("/", 1)[1]: item.labels for u in units for item in expand(u)}
+
+
+def test_a_flat_tar_takes_its_members_labels_from_each_label_file(val_folder, val_tar):
+    assert _member_labels(val_folder, val_tar, labels=str(val_folder / "LOC_val_solution.csv")) == _expected()
+    assert _member_labels(val_folder, val_tar, labels=str(val_folder / "ground_truth.txt"),
+                          synsets=str(val_folder / "synsets.txt")) == _expected()
+    # Without --labels its members still take the archive's name, as one archive per class does.
+    assert set(_member_labels(val_folder, val_tar).values()) == {("ILSVRC2012_img_val",)}
+
+
+def test_a_label_file_missing_a_tar_member_is_refused_in_one_line(val_folder, val_tar, tmp_path):
+    from pipelines.config import PrepareError
+
+    short = tmp_path / "short.csv"
+    short.write_text("\n".join((val_folder / "LOC_val_solution.csv").read_text().splitlines()[:-1]) + "\n")
+    with pytest.raises(PrepareError, match=r"labels: 1 of 6 unlabelled files have no label in .*short.csv, e.g. "
+                                           r"tar://ILSVRC2012_val_00000001.JPEG::"):
+        _member_labels(val_folder, val_tar, labels=str(short))
+
+
+def test_prepare_ingests_the_validation_tar_with_sorted_wnid_ids(val_folder, val_tar, prepare):
+    manifest = prepare(input=[str(val_tar)], output=str(val_folder / "out-tar"), size=32,
+                       labels=str(val_folder / "LOC_val_solution.csv"))
+    assert manifest["counts"]["written"] == len(VAL_CLASSES) and manifest["counts"]["rejected_total"] == 0
+    assert manifest["label_map"] == {w: i for i, w in enumerate(sorted(SYNSETS))}
+    shards = ShardSet(val_folder / "out-tar")
+    expected = _expected()
+    for i in range(len(shards)):
+        row = shards[i]
+        member = row["source"].split("::")[0].rsplit("/", 1)[1]
+        assert (shards.label_names[row["labels"][0]],) == expected[member]

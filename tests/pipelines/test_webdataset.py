@@ -137,3 +137,41 @@ def test_prepare_packs_the_classes_and_counts_that_were_packed(tmp_path, images,
     shards = ShardSet(tmp_path / "out")
     ids = Counter(i for batch in shards.iter_batches() for row in batch.to_pylist() for i in row["labels"])
     assert ids == Counter(range(12))
+
+
+def _info_json(root, train: int):
+    (root / "_info.json").write_text(json.dumps({"name": "toy", "splits": {
+        "train": {"name": "train", "num_samples": train, "filenames": ["ds-000000.tar", "ds-000001.tar"],
+                  "shard_lengths": [4, 4]},
+        "validation": {"name": "validation", "num_samples": 4, "filenames": ["ds-000002.tar"], "shard_lengths": [4]},
+    }}))
+
+
+def test_a_split_read_short_of_its_stated_samples_is_one_warning(tmp_path, images, prepare, capsys):
+    root = _cls_shards(tmp_path / "wds", images)
+    _info_json(root, train=8)
+    manifest = prepare(input=[str(root)], output=str(tmp_path / "out"), size=32, split="train", min_short_side=0)
+    assert manifest["counts"]["inputs"] == 8 and "_info.json states" not in capsys.readouterr().err
+    # One shard of the split truncated to its first sample: 5 read where 8 are stated.
+    with tarfile.open(root / "ds-000001.tar") as tf:
+        first = [m for m in tf.getmembers() if m.name.startswith("000004.")]
+        kept = [(m, tf.extractfile(m).read()) for m in first]
+    with tarfile.open(root / "ds-000001.tar", "w") as tf:
+        for m, data in kept:
+            tf.addfile(m, io.BytesIO(data))
+    manifest = prepare(input=[str(root)], output=str(tmp_path / "out2"), size=32, split="train", min_short_side=0)
+    assert manifest["counts"]["inputs"] == 5
+    lines = [line for line in capsys.readouterr().err.splitlines() if "_info.json states" in line]
+    assert len(lines) == 1
+    assert lines[0].startswith(f"prepare: warning: {root}: _info.json states 8 samples in split 'train'; 5 were read.")
+
+
+def test_stated_counts_are_compared_only_when_every_input_states_one():
+    from pipelines.ingest import check_stated
+
+    stated = [("/a", "train", 8), ("/b", "train", 4)]
+    assert check_stated(stated, ["/a", "/b"], 12) is None
+    line = check_stated(stated, ["/a", "/b"], 11)
+    assert "/a: _info.json states 8 samples in split 'train'; /b: _info.json states 4" in line
+    assert "11 were read" in line and "\n" not in line
+    assert check_stated(stated[:1], ["/a", "/c"], 11) is None  # /c states nothing: no total to compare

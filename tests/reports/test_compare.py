@@ -125,6 +125,33 @@ def test_re_ingests_of_the_same_images_are_ranked_together_by_what_the_shards_ho
     assert sorted(sorted(r.id for r in ranking.runs) for ranking in rankings) == sorted([sorted([first, again]), [other]])
 
 
+def test_two_prepare_runs_of_the_same_images_rank_their_stage_runs_together(home, tmp_path):
+    # Two demos once each said "One run ...; nothing to rank against": the report matched the
+    # manifest's digest, and each manifest names the prepare run that wrote it.
+    from common.photos import photo
+    from pipelines.config import PrepareConfig
+    from pipelines.ingest import run_prepare
+    from pipelines.schema import shard_set_record
+
+    for cls, name in (("cat", "chelsea.png"), ("coffee", "coffee.png")):
+        (tmp_path / "src" / cls).mkdir(parents=True)
+        for i in range(3):
+            photo(name).crop((i * 30, i * 20, i * 30 + 160, i * 20 + 160)).save(tmp_path / "src" / cls / f"{i}.png")
+    records = []
+    for out in ("first/shards", "again-shards"):
+        run_prepare(PrepareConfig(input=[str(tmp_path / "src")], output=str(tmp_path / out), size=32, workers=1))
+        records.append(shard_set_record(tmp_path / out, role="training"))
+    assert records[0]["manifest_sha256"] != records[1]["manifest_sha256"]
+    runs = [log("pretrain", {"data": r["url"], "objective": "classification"}, {"holdout_accuracy": acc},
+                tags=tracking.run_tags(None, data=[r])) for r, acc in zip(records, (0.5, 0.6))]
+    store = open_store(tracking.tracking_uri())
+    [ranking] = [r for r in compare.rank(store, compare.selection(store, [], []), LineageIndex(store))
+                 if r.stage == "pretrain"]
+    assert [r.id for r in ranking.runs] == runs[::-1]
+    assert ranking.title == "pretrain objective classification on again-shards, shards"
+    assert "lineage: prepare" in ranking.differing and not ranking.verdict.startswith("One run")
+
+
 def test_a_prepare_that_wrote_nothing_shows_its_written_and_quarantined_counts(home):
     empty = log("prepare", {"output": "/data/shards/empty"}, {"inputs": 6, "written": 0, "rejected": 6})
     store = open_store(tracking.tracking_uri())

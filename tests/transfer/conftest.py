@@ -30,6 +30,15 @@ def make_task_dirs(root: Path, names: list[str] | None = None, *, train: int, te
     return out
 
 
+def packed_label_map(task_dir: Path) -> dict[str, int]:
+    """``{class folder: label id}`` as packed into the task's train800 rows: each row's id beside the
+    name of the folder its image came from."""
+    from pipelines.schema import ShardSet
+
+    rows = ShardSet(Path(task_dir) / "train800")
+    return {Path(rows[i]["source"]).parent.name: rows[i]["labels"][0] for i in range(len(rows))}
+
+
 @pytest.fixture(scope="session")
 def build_task_dirs():
     return make_task_dirs

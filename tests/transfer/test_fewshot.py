@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from transfer import fewshot
+from tests.transfer.conftest import packed_label_map
 from transfer.fewshot import FewshotConfig, evaluate_task, run_fewshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,6 +52,7 @@ def test_fewshot_flow_computes_features_once_per_task(task_dirs, pretrained, tmp
     assert len(calls) == 4  # pool and test of each task, once; reused by every shot count and draw
     results = json.loads((tmp_path / "o" / "fewshot_results.json").read_text())
     for name in ("textures", "count"):
+        assert results["tasks"][name]["label_map"] == packed_label_map(task_dirs[name])  # each task's own names
         shots = results["tasks"][name]["shots"]
         assert set(shots) == {"1", "5", "10"}
         for r in shots.values():

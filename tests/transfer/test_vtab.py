@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError
+from tests.transfer.conftest import packed_label_map
 from transfer.vtab import VtabConfig, aggregate, choose_setting, run_vtab
 from transfer.vtab_data import MissingTaskError, resolve_tasks
 from transfer.vtab_tasks import GROUPS, TASKS
@@ -44,7 +45,8 @@ def test_choose_setting_is_the_best_mean_and_skips_incomplete_settings():
 
 
 def test_aggregates_are_means_of_the_task_numbers():
-    tasks = {"a": {"group": "natural"}, "b": {"group": "natural"}, "c": {"group": "structured"}}
+    tasks = {n: {"group": g, "label_map": {"x": 0, "y": 1}} for n, g in (("a", "natural"), ("b", "natural"),
+                                                                        ("c", "structured"))}
     r = aggregate(tasks, {"lr": 0.01, "steps": 5}, {"a": 0.5, "b": 0.7, "c": 0.2}, {"a": 0.4, "b": 0.8, "c": 0.3})
     assert r["groups"] == pytest.approx({"natural": 0.6, "structured": 0.3})
     assert r["mean"] == pytest.approx(0.5)  # over tasks, not over groups
@@ -168,7 +170,7 @@ def vtab_run(tasks, pretrained, tmp_path_factory, ray_session):
                      batch_size=16, microbatch=8, warmup_steps=1)
     try:
         summary = run_vtab(cfg)
-        yield {"summary": summary, "out": out, "home": home}
+        yield {"summary": summary, "out": out, "home": home, "tasks": tasks}
     finally:
         mp.undo()
 
@@ -177,8 +179,9 @@ def test_vtab_results_hold_the_setting_each_task_the_group_means_and_the_mean(vt
     results = json.loads((vtab_run["out"] / "vtab_results.json").read_text())
     assert set(results) == {"setting", "tasks", "groups", "mean"}
     assert set(results["tasks"]) == {"digits", "textures", "count"}
-    for r in results["tasks"].values():
-        assert set(r) == {"group", "val_accuracy", "test_accuracy"}
+    for name, r in results["tasks"].items():
+        assert set(r) == {"group", "label_map", "val_accuracy", "test_accuracy"}
+        assert r["label_map"] == packed_label_map(vtab_run["tasks"][name])  # each task's own class names
     assert {n: r["group"] for n, r in results["tasks"].items()} == {
         "digits": "natural", "textures": "specialized", "count": "structured"}
     for g, m in results["groups"].items():
@@ -186,6 +189,20 @@ def test_vtab_results_hold_the_setting_each_task_the_group_means_and_the_mean(vt
                                   / sum(r["group"] == g for r in results["tasks"].values()))
     assert results["mean"] == pytest.approx(sum(r["test_accuracy"] for r in results["tasks"].values()) / 3)
     assert (vtab_run["out"] / "vtab_results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_final_model_file_names_its_own_tasks_classes(vtab_run):
+    from safetensors import safe_open
+
+    found = {}
+    for model in (vtab_run["out"] / "ray" / "final").rglob("model.safetensors"):
+        trial = next(p for p in model.parents if (p / "params.json").is_file())
+        with safe_open(str(model), "pt") as f:
+            found[json.loads((trial / "params.json").read_text())["task"]] = json.loads(f.metadata()["labels"])
+    assert set(found) == {"digits", "textures", "count"}
+    for name, labels in found.items():
+        packed = packed_label_map(vtab_run["tasks"][name])
+        assert labels == sorted(packed, key=packed.get)
 
 
 def test_chosen_setting_is_the_best_on_val200_and_never_reads_test(vtab_run):
