@@ -21,6 +21,10 @@ from training.loop import all_reduce_sum
 CLOSE_TIMEOUT_S = 120.0
 
 
+#: MLflow names of the figures a checkpoint is reported with that the step lines also log, with
+#: another meaning (rank 0's mean over ``log_every`` steps against all ranks' since the checkpoint).
+WINDOW_KEYS = {"train_loss": "checkpoint_train_loss", "images_per_second": "checkpoint_images_per_second"}
+
 class Window:
     """This rank's sums since the window opened, which a logged or reported mean divides out."""
 
@@ -135,7 +139,9 @@ class MetricsSink:
         metrics = {"epoch": epoch, "step": step, "train_loss": loss_all / max(1, seen_all),
                    "train_accuracy": correct_all / max(1, seen_all),
                    "images_per_second": seen_all / max(elapsed, 1e-9), **held}
-        self.log({k: v for k, v in metrics.items() if k != "step"}, step)
+        # The step lines' train_loss and images_per_second are rank 0's and the interval's; these
+        # are every rank's since the last checkpoint, so they go to MLflow under names of their own.
+        self.log({WINDOW_KEYS.get(k, k): v for k, v in metrics.items() if k != "step"}, step)
         self._report_row = {"kind": "report", "total": self.total_steps, **metrics}
         return metrics
 

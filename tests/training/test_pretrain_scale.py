@@ -74,6 +74,11 @@ def test_step_resume_gives_the_uninterrupted_parameters(shards, tmp_path, mlflow
     assert 0.0 <= run.data.metrics["input_wait_fraction"] <= 1.0
     assert any(k.startswith("fewshot_") and k.endswith("shot_accuracy") for k in run.data.metrics), run.data.metrics
     assert len(client.get_metric_history(run.info.run_id, "grad_norm")) == 3  # log_every=2 over 6 steps
+    # One meaning per key: the step lines' loss every log_every steps; every rank's since each checkpoint apart.
+    def steps(key):
+        return sorted(m.step for m in client.get_metric_history(run.info.run_id, key))
+    assert steps("train_loss") == steps("images_per_second") == [2, 4, 6]
+    assert steps("checkpoint_train_loss") == steps("checkpoint_images_per_second") == [2, 4, 6]
     figures = {f.path for f in client.list_artifacts(run.info.run_id, "inspection")}
     assert figures == {"inspection/embedding_filters.png", "inspection/position_embedding_similarity.png",
                        "inspection/mean_attention_distance.png"}

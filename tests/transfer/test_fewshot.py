@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from transfer import fewshot
 from tests.transfer.conftest import packed_label_map
+from transfer import fewshot
 from transfer.fewshot import FewshotConfig, evaluate_task, run_fewshot
 
 REPO = Path(__file__).resolve().parents[2]
