@@ -2,7 +2,7 @@
 
 A checkpoint folder holds :data:`TRAIN_STATE` (model, optimiser, step, data position, every
 rank's RNG states and the config, in :data:`STATE_FORMAT`) and ``vitcore.checkpoint.MODEL_FILE``, the plain
-vitcore model. With the RNG states and the data position restored, a worker group restarted
+vitcore model; with few-shot scoring, also the best step's model (:mod:`training.best`). With the RNG states and the data position restored, a worker group restarted
 after a failure, or the same run submitted again, continues without replaying or skipping a batch.
 """
 from __future__ import annotations
@@ -234,10 +234,11 @@ class Checkpointer:
         with ckpt.as_directory() as d:
             # Tensors and plain types only: nothing from storage is unpickled as code.
             state = torch.load(Path(d) / TRAIN_STATE, map_location="cpu", weights_only=True)
-        if state.get("format") != STATE_FORMAT:
-            raise ConfigError(f"run_name {self.cfg.run_name!r}: the checkpoint's state is {state.get('format')!r}, "
-                              f"not {STATE_FORMAT!r}; use a new --run-name or --output to start fresh")
-        check_resumable(state["cfg"], dataclasses.asdict(self.cfg), free_on_resume(self.cfg), off_values(self.cfg))
+            if state.get("format") != STATE_FORMAT:
+                raise ConfigError(f"run_name {self.cfg.run_name!r}: the checkpoint's state is {state.get('format')!r}, "
+                                  f"not {STATE_FORMAT!r}; use a new --run-name or --output to start fresh")
+            check_resumable(state["cfg"], dataclasses.asdict(self.cfg), free_on_resume(self.cfg), off_values(self.cfg))
+            trainer.best.load_state_dict(state.get("best_fewshot"), Path(d), rank=self.rank)
         trainer.load_state_dict(state)
         trainer.position.load_state_dict(state, self.rank)
         set_rng_states(state.get("rng", {}), self.rank, self.world, trainer.device)
@@ -260,10 +261,11 @@ class Checkpointer:
             checkpoint = None
             if self.rank == 0:
                 torch.save({"format": STATE_FORMAT, **state, **position.state_dict(seen), "rng": rng,
-                            "cfg": dataclasses.asdict(self.cfg)}, Path(d) / TRAIN_STATE)
+                            "best_fewshot": trainer.best.state_dict(), "cfg": dataclasses.asdict(self.cfg)},
+                           Path(d) / TRAIN_STATE)
                 vitcore.save_checkpoint(trainer.published_model(state), Path(d) / MODEL_FILE,
                                         extra_metadata=label_metadata(trainer.label_names))
-                names = (TRAIN_STATE, MODEL_FILE)
+                names = (TRAIN_STATE, MODEL_FILE, *trainer.best.save_model(Path(d), trainer.label_names))
                 files = {name: (Path(d) / name).stat().st_size for name in names}
                 digests = {name: sha256_of(Path(d) / name) for name in names}
                 (Path(d) / RECORD).write_text(json.dumps({"step": trainer.step, "files": files, "sha256": digests,

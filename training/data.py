@@ -16,6 +16,7 @@ straight from the memory-mapped shards. Rows listed in the shard set's removal l
 from __future__ import annotations
 
 import bisect
+import hashlib
 import math
 import zlib
 from typing import Callable, Literal, Sequence
@@ -444,6 +445,32 @@ def holdout_mask(keys: Sequence[str], fraction: float) -> np.ndarray:
     return np.fromiter((is_held_out(k, fraction) for k in keys), dtype=bool, count=len(keys))
 
 
+# Salts the subset hash, so that it is drawn independently of the held-out split's.
+SUBSET_SALT = b"vitscale-subset:"
+
+
+def in_subset(key: str, fraction: float) -> bool:
+    """Whether the row with this key is in the nested ``fraction`` subset: a stable hash of the key
+    alone, below ``fraction``. So every smaller subset lies inside every larger one, and every
+    run, loader and worker layout picks the same rows (the data-size axis of Figure 4)."""
+    if fraction >= 1.0:
+        return True
+    digest = hashlib.sha256(SUBSET_SALT + key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2.0**64
+
+
+def subset_mask(keys: Sequence[str], fraction: float) -> np.ndarray:
+    if fraction >= 1.0:
+        return np.ones(len(keys), dtype=bool)
+    return np.fromiter((in_subset(k, fraction) for k in keys), dtype=bool, count=len(keys))
+
+
+def training_mask(keys: Sequence[str], holdout: float, fraction: float = 1.0) -> np.ndarray:
+    """The rows pre-training trains on: not held out, and in the ``fraction`` subset. The held-out
+    rows are the same at every fraction, and in no subset."""
+    return ~holdout_mask(keys, holdout) & subset_mask(keys, fraction)
+
+
 def shard_keys(shards: ShardSet) -> list[str]:
     """Keys of the retained rows, in ``ShardSet`` index order (a memory-mapped column read)."""
     return [k for batch in shards.iter_batches(columns=["key"]) for k in batch.column(0).to_pylist()]
@@ -489,14 +516,19 @@ class DecodeBatch:
     """
 
     def __init__(self, size: int, *, label_mode: LabelMode, num_classes: int,
-                 holdout: float, train: bool = True, canvas: tuple[int, int] | None = None):
+                 holdout: float, train: bool = True, canvas: tuple[int, int] | None = None, fraction: float = 1.0):
         self.transform = train_transform(size, uint8=True) if train else eval_transform(size, uint8=True)
         self.label_mode, self.num_classes, self.holdout, self.train = label_mode, num_classes, holdout, train
-        self.size, self.canvas = size, canvas
+        self.size, self.canvas, self.fraction = size, canvas, fraction
+
+    def _keeps(self, key: str) -> bool:
+        if is_held_out(key, self.holdout):
+            return not self.train
+        return self.train and in_subset(key, self.fraction)
 
     def __call__(self, batch: dict) -> dict:
         rng = np.random.default_rng()
-        keep = [i for i, key in enumerate(batch["key"]) if is_held_out(str(key), self.holdout) != self.train]
+        keep = [i for i, key in enumerate(batch["key"]) if self._keeps(str(key))]
         targets = [encode_target(batch["labels"][i], self.label_mode, self.num_classes, row=f"row {batch['key'][i]}")
                    for i in keep]
         label = np.asarray(targets) if targets else np.zeros((0,), np.int64)

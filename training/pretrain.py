@@ -84,6 +84,7 @@ class PretrainConfig:
     ema_decay: float = field(default=0.0, metadata={"off": 0.0, "help": "keep an exponential moving average of the weights with this decay (e.g. 0.9999; DeiT: 0.99996); the few-shot scores and the saved model use it; 0 is off"})
     mixup_switch_prob: float | None = field(default=None, metadata={"off": None, "help": "with both --mixup and --cutmix, the chance that a batch takes CutMix (default 0.5, as timm)"})
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
+    fraction: float = field(default=1.0, metadata={"off": 1.0, "help": "train on the nested subset of this fraction of the rows not held out, picked by a hash of each row's key: a smaller fraction's rows lie inside a larger one's (1: every row)"})
     loader: Literal["shards", "ray_data"] = field(
         default="shards",
         metadata={"recipe": False, "help": "shards: each worker decodes its slice of the memory-mapped shards; "
@@ -146,6 +147,7 @@ class PretrainConfig:
         check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
         check(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), got {self.dropout}")
         check(0 <= self.holdout < 0.5, "holdout", f"must be in [0, 0.5), got {self.holdout}")
+        check(0 < self.fraction <= 1, "fraction", f"must be in (0, 1] (1: every row), got {self.fraction}")
         check(self.warmup_steps >= 0, "warmup_steps", f"must be >= 0, got {self.warmup_steps}")
         check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
         check(self.loader_workers is None or self.loader_workers >= 0, "loader_workers", f"must be >= 0, got {self.loader_workers}")
@@ -283,7 +285,7 @@ def ray_data_stream(cfg: PretrainConfig, shards):
             f"{reserved} of the cluster's {total} CPUs; lower num_workers or cpus_per_worker, or use loader=shards"
         )
     decode = DecodeBatch(cfg.img_size, label_mode="multi" if cfg.loss == "sigmoid" else "single",
-                         num_classes=len(shards.label_map), holdout=cfg.holdout,
+                         num_classes=len(shards.label_map), holdout=cfg.holdout, fraction=cfg.fraction,
                          canvas=canvas_shape(shards, cfg.img_size) if cfg.device_augment else None)
     columns = ["key", "image", "format", "height", "width", "labels"]
     return read_shards(cfg.data, columns=columns).map_batches(decode, batch_format="numpy", batch_size=64)
@@ -359,7 +361,7 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     trained and the worker-group restarts."""
     from training.ray_utils import init_ray
 
-    cfg, shards, uri, (steps_per_epoch, total_steps) = _prepare(cfg)
+    cfg, shards, uri, (steps_per_epoch, total_steps, train_rows) = _prepare(cfg)
     storage = _storage(cfg, Path(cfg.output))
     # One run at a time in an output folder: two would resume the same run into the same checkpoints.
     check_owner(cfg.output, "pretrain")
@@ -383,7 +385,8 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             _record_run(output, cfg, run.info.run_id)
             if not reopen:
                 tracking.log_shard_inputs(records)
-                tracking.log_metrics({"num_rows": shards.num_rows, "num_classes": len(shards.label_map),
+                tracking.log_metrics({"num_rows": shards.num_rows, "train_rows": train_rows,
+                                      "num_classes": len(shards.label_map),
                                       "planned_steps": total_steps, "steps_per_epoch": steps_per_epoch,
                                       "accumulation": cfg.accumulation})
             try:
@@ -400,16 +403,17 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 if (line := disk_line(exc, where=storage[0])) is None:
                     raise
                 raise DiskFull(line, _kept(cfg, storage, total_steps)) from None
-            summary = _summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts)
+            summary = {**_summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts),
+                       "fraction": cfg.fraction, "train_rows": train_rows}
             _publish(cfg, run, summary, shards, output, name)
             atomic_write(output / SUMMARY, json.dumps(summary, indent=2))
         return summary
 
 
-def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, int]]:
+def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, int, int]]:
     """The config with absolute paths, its shard set, the tracking URI and (steps per epoch, total
-    steps). Checked here, before Ray starts, so the user gets one line instead of worker tracebacks."""
-    from training.data import holdout_mask, shard_keys
+    steps, training rows: those not held out, in the ``fraction`` subset). Checked here, before Ray starts, so the user gets one line instead of worker tracebacks."""
+    from training.data import shard_keys, training_mask
 
     data = Path(cfg.data).expanduser()
     if not (data / MANIFEST).is_file():
@@ -423,9 +427,12 @@ def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, 
                               fewshot_data=str(Path(cfg.fewshot_data).expanduser().resolve()) if cfg.fewshot_data else None)
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     uri = tracking.tracking_uri()
-    train_rows = int((~holdout_mask(shard_keys(shards), cfg.holdout)).sum())
+    train_rows = int(training_mask(shard_keys(shards), cfg.holdout, cfg.fraction).sum())
+    if not train_rows:
+        raise ConfigError(f"fraction: {cfg.fraction} of {data} selects no training rows (holdout {cfg.holdout}); "
+                          "raise --fraction, or ingest more images")
     plan = cfg.plan_steps(train_rows, cfg.num_workers)
-    return dataclasses.replace(cfg, output=str(output)), shards, uri, plan
+    return dataclasses.replace(cfg, output=str(output)), shards, uri, (*plan, train_rows)
 
 
 def _claim(cfg: PretrainConfig, storage: tuple[str, Any]) -> tuple[PretrainConfig, dict, Path, str | None]:
@@ -518,12 +525,13 @@ def _claim_output(cfg: PretrainConfig, storage: tuple[str, Any]) -> PretrainConf
 
 def _remove_run(output: Path, run_name: str, storage: tuple[str, Any]) -> None:
     """A run's outputs in ``output``, and its Ray Train folder when that is on a local disk."""
+    from training.best import BEST_MODEL_FILE
     from vitcore.checkpoint import MODEL_FILE
 
     storage_path, storage_fs = storage
     if storage_fs is None:
         shutil.rmtree(Path(storage_path) / run_name, ignore_errors=True)
-    for name in (MODEL_FILE, SUMMARY, tracking.LINEAGE_FILE, RUN_RECORD):
+    for name in (MODEL_FILE, BEST_MODEL_FILE, SUMMARY, tracking.LINEAGE_FILE, RUN_RECORD):
         (output / name).unlink(missing_ok=True)
     for folder in ("inspection", Path(run_artifacts.PRETRAIN_CURVES).parent, SPOOL_DIR):
         shutil.rmtree(output / folder, ignore_errors=True)
@@ -663,12 +671,16 @@ def _in_thread(fit: Any) -> Any:
 def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id: str, total_steps: int,
              restarts: int) -> dict[str, Any]:
     """The final checkpoint's model copied beside the summary, and the summary."""
+    from training.best import BEST_MODEL_FILE, summary_record
     from training.ray_utils import copy_final_model
 
     model_path = copy_final_model(result, output)
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
     steps = int(metrics.get("step", 0))
-    return {"metrics": metrics, "model": str(model_path), "mlflow_run_id": run_id,
+    best = summary_record(metrics)
+    if best is not None:  # Section 4.3's early stopping: the model of the best few-shot step, beside the final one
+        best["model"] = str(copy_final_model(result, output, BEST_MODEL_FILE))
+    return {"metrics": metrics, "model": str(model_path), "mlflow_run_id": run_id, **({"best_fewshot": best} if best else {}),
             "label_map": shards.label_map, "objective": cfg.objective, "steps": steps,
             "planned_steps": total_steps, "restarts": restarts, "checkpoint": result.checkpoint.path,
             "data_position": {"epoch": int(metrics.get("data_epoch", 0)),
@@ -683,7 +695,8 @@ def _publish(cfg: PretrainConfig, run: Any, summary: dict, shards: Any, output: 
     """Into the MLflow run: the summary, inspection figures, curves, lineage and the model
     (registered under ``register_as``); ``summary`` gains where they went."""
     run_id, model_path = run.info.run_id, Path(summary["model"])
-    tracking.log_metrics({"restarts": summary["restarts"], "steps": summary["steps"]})
+    tracking.log_metrics({"restarts": summary["restarts"], "steps": summary["steps"],
+                          **{k: v for k, v in summary["metrics"].items() if k.startswith("best_fewshot_")}})
     tracking.log_dict(summary, "pretrain_summary.json")
     figures = _inspection_figures(model_path, cfg, output / "inspection")
     for fig in figures:

@@ -110,15 +110,17 @@ def cpus_available() -> int:
     return int(ray.cluster_resources().get("CPU", 1))
 
 
-def copy_final_model(result, output: Path) -> Path:
+def copy_final_model(result, output: Path, name: str | None = None) -> Path:
     """Copy the model that a pre-training fit or a Tune trial (``transfer.sweep.report_final``)
-    reported with its last checkpoint into ``output``; returns its path there."""
+    reported with its last checkpoint into ``output``; returns its path there. ``name``: another
+    model file of that checkpoint (e.g. :data:`training.best.BEST_MODEL_FILE`)."""
     from vitcore.checkpoint import MODEL_FILE
 
-    with result.checkpoint.as_directory() as d, open(Path(d) / MODEL_FILE, "rb") as src, \
-            atomic_open(output / MODEL_FILE) as dst:
+    name = name or MODEL_FILE
+    with result.checkpoint.as_directory() as d, open(Path(d) / name, "rb") as src, \
+            atomic_open(output / name) as dst:
         shutil.copyfileobj(src, dst)
-    return output / MODEL_FILE
+    return output / name
 
 
 class ProgressBoard:

@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import vitcore
 from common.tracking_queue import SPOOL_DIR
 from training.augment import device_batch
+from training.best import BestFewshot
 from training.checkpointer import Checkpointer, DataPosition, gather
 from training.data import (
     ShardCropDataset,
@@ -39,6 +40,7 @@ from training.data import (
     release_canvases,
     shard_keys,
     split_rows,
+    subset_mask,
     train_transform,
 )
 from training.ema import Polyak
@@ -94,6 +96,7 @@ class Trainer:
         self.checkpointer = Checkpointer(cfg, steps_per_epoch=self.steps_per_epoch, total_steps=self.total_steps,
                                          rank=self.rank, world=self.world)
         self.end_step = self.checkpointer.last_step
+        self.best = BestFewshot()
         self.checkpointer.load(self)
         stream = RayDataStream if cfg.loader == "ray_data" else ShardStream
         self.data = stream(cfg, train_ds, self.rank, self.world, self.steps_per_epoch, self.device)
@@ -245,10 +248,24 @@ class Trainer:
         # Every rank runs the forward (FSDP's is collective); rank 0 logs.
         target = unwrap(self.trainable)
         model = self.ema.model if self.ema else target.backbone if self.mpp else target
-        scores = _fewshot_scores(model, self.fewshot, self.cfg.microbatch_size)
+        # Rank 0's scores decide the best step on every rank: keeping its model may be a collective.
+        scores = gather(_fewshot_scores(model, self.fewshot, self.cfg.microbatch_size))[0]
         if scores:
             self.metrics.log(scores, self.step)
+            if self.best.update(scores, self.step):
+                self.keep_best()
         self.trainable.train()
+
+    def keep_best(self) -> None:
+        """This step's published model as the best; every rank calls it (FSDP gathers), rank 0 keeps it."""
+        if self.ema is not None:
+            weights = {"ema": self.ema.state_dict()} if self.rank == 0 else None
+        else:
+            full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = {"model": get_model_state_dict(self.dist_model, options=full)}
+        if self.rank == 0:
+            with torch.random.fork_rng(devices=[]):  # building the copy draws init weights; dropout's stream stays
+                self.best.model = self.published_model(weights)
 
     def evaluate_held_out(self, *, log: bool) -> dict[str, float]:
         """Held-out loss and accuracy at the end of each epoch and of the submission; ``log`` when
@@ -263,7 +280,8 @@ class Trainer:
         return held
 
     def save(self, metrics: dict) -> None:
-        self.checkpointer.save(self, {**metrics, "start_step": self.start_step, "nodes": self.nodes})
+        self.checkpointer.save(self, {**metrics, **self.best.metrics(), "start_step": self.start_step,
+                                      "nodes": self.nodes})
 
 
 def model_options(cfg: Any) -> dict[str, Any]:
@@ -290,13 +308,15 @@ def _datasets(cfg: Any) -> tuple[ShardImageDataset, ShardImageDataset, int]:
     the training rows are crop batches (:class:`ShardCropDataset`); the held-out rows stay per item."""
     full = ShardImageDataset(cfg.data, train_transform(cfg.img_size),
                              label_mode="multi" if cfg.loss == "sigmoid" else "single", seed=cfg.seed)
-    held_out = holdout_mask(shard_keys(full.shards), cfg.holdout)
+    keys = shard_keys(full.shards)
+    held_out = holdout_mask(keys, cfg.holdout)
+    train_rows = np.flatnonzero(~held_out & subset_mask(keys, cfg.fraction))  # --fraction: a nested subset
     if cfg.device_augment:
         train_ds = ShardCropDataset(full.shards, cfg.img_size, label_mode=full.label_mode,
-                                    rows=np.flatnonzero(~held_out), seed=cfg.seed)
+                                    rows=train_rows, seed=cfg.seed)
     else:
         train_ds = ShardImageDataset(full.shards, full.transform, label_mode=full.label_mode,
-                                     rows=np.flatnonzero(~held_out), seed=cfg.seed)
+                                     rows=train_rows, seed=cfg.seed)
     held_ds = ShardImageDataset(full.shards, eval_transform(cfg.img_size), label_mode=full.label_mode,
                                 rows=np.flatnonzero(held_out), seed=cfg.seed)
     return train_ds, held_ds, full.num_classes

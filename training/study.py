@@ -1,0 +1,197 @@
+"""A scaling study: a grid of pre-training runs (model x nested data fraction), read as the paper
+reads Figures 4 and 5: each cell's best few-shot accuracy against its images and its compute.
+
+Each cell is one :func:`training.pretrain.run_pretrain` run of the recipe, with ``--fraction`` and
+few-shot scoring during training (:mod:`training.best`), in a folder of its own under
+``output/cells``. The cells run one after another in this process, under one MLflow parent run.
+A cell whose summary is written is finished: the same command run again skips it, and an
+interrupted cell resumes from its checkpoint into its own MLflow run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+from common import tracking
+from common.config import ConfigError, check, from_dict, load_file
+from common.fs import atomic_write, make_output_dir
+from common.locks import FolderLock, check_owner, claim_folder
+from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
+from training.pretrain import SUMMARY, PretrainConfig, run_pretrain
+
+STUDY_RECORD = "study.json"
+# A recipe's ViT size overrides (a tiny ViT for a small study); a BiT ResNet's size is in its name.
+VIT_SIZE = ("depth", "width", "mlp_dim", "num_heads")
+TABLE = "study_table.json"
+
+
+@dataclasses.dataclass
+class StudyConfig:
+    """Pre-train every model on every nested fraction of a shard set; compare best few-shot accuracy."""
+
+    data: str = field(metadata={"recipe": False, "help": "shard directory written by jobs/prepare.py"})
+    fewshot_data: str = field(metadata={"recipe": False, "help": "labelled shard set each cell is few-shot scored on during training"})
+    recipe: str | None = field(default=None, metadata={"recipe": False, "help": "the pre-training recipe, a YAML or JSON file as jobs/pretrain.py --config takes"})
+    output: str = field(default="study_output", metadata={"recipe": False, "help": "directory for the cells, the table and the study's record"})
+    models: list[str] = field(default_factory=lambda: ["Ti/16", "BiT-R50x1"], metadata={"help": "variants, comma-separated, e.g. Ti/16,BiT-R50x1,R50+Ti/16"})
+    fractions: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.3, 1.0], metadata={"help": "nested data fractions in (0, 1], comma-separated"})
+    budget: Literal["epochs", "steps"] = field(default="epochs", metadata={"help": "epochs: every cell makes the same passes over its subset; steps: every cell the same optimiser steps"})
+    epochs: int | None = field(default=None, metadata={"help": "passes over each cell's subset (--budget epochs)"})
+    steps: int | None = field(default=None, metadata={"help": "optimiser steps per cell (--budget steps)"})
+    batch_size: int | None = field(default=None, metadata={"help": "override the recipe's global batch for every cell"})
+    img_size: int | None = field(default=None, metadata={"help": "override the recipe's resolution for every cell"})
+    fewshot_every: int = field(default=100, metadata={"help": "few-shot scoring interval in steps, in every cell"})
+
+    def __post_init__(self) -> None:
+        # Variant names hold no commas: "--models Ti/16,BiT-R50x1" is a list (the runner keeps commas in strings).
+        self.models = [m.strip() for v in self.models for m in v.split(",") if m.strip()]
+        check(bool(self.models), "models", "name at least one variant, e.g. --models Ti/16,BiT-R50x1")
+        from vitcore.variants import decode_bit_variant, decode_variant, is_bit_variant
+
+        for model in self.models:
+            try:
+                decode_bit_variant(model) if is_bit_variant(model) else decode_variant(model)
+            except ValueError as exc:
+                raise ConfigError(f"models: {exc}") from None
+        check(bool(self.fractions), "fractions", "name at least one fraction, e.g. --fractions 0.1,1")
+        for f in self.fractions:
+            check(0 < f <= 1, "fractions", f"{f} is outside (0, 1]; e.g. --fractions 0.03,0.1,0.3,1")
+        check(self.budget != "steps" or self.steps is not None, "steps", "--budget steps needs --steps N")
+        check(self.budget != "epochs" or self.steps is None, "steps", "--steps sets a step budget: add --budget steps")
+        check(self.fewshot_every > 0, "fewshot_every", f"must be a positive integer, got {self.fewshot_every}")
+
+
+def cell_name(model: str, fraction: float) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9.+-]', '', model)}_f{fraction:g}"
+
+
+def cell_configs(cfg: StudyConfig) -> list[PretrainConfig]:
+    """Every cell's pre-training config, checked (an unknown model is refused here, in one line)."""
+    from vitcore.variants import is_bit_variant
+
+    recipe = load_file(cfg.recipe) if cfg.recipe else {}
+    for name in ("data", "output", "variant", "fraction", "fewshot_data", "fewshot_every", "run_name"):
+        recipe.pop(name, None)
+    if cfg.budget == "steps":
+        length = {"steps": cfg.steps}
+    else:  # the same passes over every subset: the recipe's epochs (or --epochs), never its steps
+        length = {"steps": None, **({"epochs": cfg.epochs} if cfg.epochs else {})}
+    overrides = {k: v for k, v in (("batch_size", cfg.batch_size), ("img_size", cfg.img_size)) if v is not None}
+    cells = []
+    for model in cfg.models:
+        for fraction in cfg.fractions:
+            sized = {k: v for k, v in recipe.items() if not (is_bit_variant(model) and k in VIT_SIZE)}
+            values = {**sized, **overrides, **length, "data": cfg.data, "variant": model, "fraction": fraction, "fewshot_data": cfg.fewshot_data,
+                      "fewshot_every": cfg.fewshot_every,
+                      "output": str(Path(cfg.output) / "cells" / cell_name(model, fraction))}
+            cells.append(from_dict(PretrainConfig, values, source=cfg.recipe or "study"))
+    return cells
+
+
+def _check_inputs(cfg: StudyConfig) -> None:
+    """Before Ray starts: the shard sets exist, and every fraction leaves training rows."""
+    from training.data import shard_keys, training_mask
+
+    for name in ("data", "fewshot_data"):
+        path = Path(getattr(cfg, name)).expanduser()
+        if not (path / MANIFEST).is_file():
+            raise ConfigError(f"{name}: {path} has no {MANIFEST}; {missing_manifest_hint(path)}")
+    keys = shard_keys(ShardSet(str(Path(cfg.data).expanduser())))
+    holdout = cell_configs(cfg)[0].holdout
+    for f in cfg.fractions:
+        if not training_mask(keys, holdout, f).any():
+            raise ConfigError(f"fractions: {f} of {cfg.data} selects no training rows; raise it or drop it")
+
+
+def cell_row(cell: PretrainConfig, summary: dict) -> dict[str, Any]:
+    """A cell's line of the table: images, steps, exaFLOPs (vitcore's count x images seen), best few-shot."""
+    import vitcore
+
+    model = vitcore.load_checkpoint(summary["model"])
+    seen = summary["steps"] * cell.batch_size
+    best = summary.get("best_fewshot") or {}
+    return {"model": cell.variant, "fraction": cell.fraction, "images": summary["train_rows"],
+            "steps": summary["steps"], "exaflops": vitcore.train_flops_per_image(model) * seen / 1e18,
+            "best_step": best.get("step"), "mlflow_run_id": summary["mlflow_run_id"],
+            **{k: v for k, v in best.items() if k.endswith("shot_accuracy") or k.endswith("shot_step")}}
+
+
+def run_study(cfg: StudyConfig) -> dict[str, Any]:
+    """Run the grid's unfinished cells in turn; returns the table, one row per cell."""
+    cells = cell_configs(cfg)
+    _check_inputs(cfg)
+    output = Path(cfg.output).expanduser().resolve()
+    check_owner(output, "study")
+    with FolderLock(make_output_dir(output), "study"):
+        claim_folder(output, "study")
+        with _parent_run(cfg, output) as parent:
+            rows = []
+            for i, cell in enumerate(cells, 1):
+                rows.append(_run_cell(cell, parent.info.run_id, f"{i}/{len(cells)}"))
+            table = {"rows": rows, "mlflow_run_id": parent.info.run_id}
+            tracking.log_dict(table, TABLE)
+        atomic_write(output / TABLE, json.dumps(table, indent=2))
+    print(format_table(rows), file=sys.stderr)
+    return table
+
+
+def _run_cell(cell: PretrainConfig, parent_run_id: str, position: str) -> dict[str, Any]:
+    done = Path(cell.output) / SUMMARY
+    if done.is_file():
+        print(f"study: cell {position} {cell.variant} at fraction {cell.fraction:g}: finished, skipped", file=sys.stderr)
+        return cell_row(cell, json.loads(done.read_text()))
+    print(f"study: cell {position} {cell.variant} at fraction {cell.fraction:g}: pre-training", file=sys.stderr)
+    summary = run_pretrain(dataclasses.replace(cell, parent_run_id=parent_run_id))
+    return cell_row(cell, summary)
+
+
+def _parent_run(cfg: StudyConfig, output: Path):
+    """The study's MLflow run: the one ``output`` records (a rerun adds to it), else a new one."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        recorded = json.loads((output / STUDY_RECORD).read_text()).get("mlflow_run_id")
+        tracking.get_run(recorded)
+    except (OSError, ValueError, AttributeError, MlflowException):  # no record, a damaged one, a run not in the store
+        recorded = None
+    if recorded:
+        return tracking.start_run("study", run_id=recorded)
+    record = shard_set_record(cfg.data, role="training")
+    opened = tracking.start_run("study", params=dataclasses.asdict(cfg), run_name=f"study on {record['name']}",
+                                tags=tracking.run_tags(cfg, data=[record], main=[record]))
+    return _Recorded(opened, output)
+
+
+class _Recorded:
+    """A new parent run whose id is written into ``output`` as soon as it opens."""
+
+    def __init__(self, opened, output: Path) -> None:
+        self.opened, self.output = opened, output
+
+    def __enter__(self):
+        run = self.opened.__enter__()
+        atomic_write(self.output / STUDY_RECORD, json.dumps({"mlflow_run_id": run.info.run_id}))
+        return run
+
+    def __exit__(self, *exc):
+        return self.opened.__exit__(*exc)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The study's table: model, fraction, images, steps, exaFLOPs, best few-shot per shot count, its step."""
+    shots = sorted({k for r in rows for k in r if k.endswith("shot_accuracy")}, key=lambda k: int(k.split("shot")[0]))
+    head = f"{'model':<14}{'fraction':>9}{'images':>9}{'steps':>7}{'exaFLOPs':>11}"
+    head += "".join(f"{k.replace('_accuracy', ''):>9}{'step':>6}" for k in shots)
+    lines = [head]
+    for r in rows:
+        line = f"{r['model']:<14}{r['fraction']:>9g}{r['images']:>9}{r['steps']:>7}{r['exaflops']:>11.3g}"
+        for k in shots:
+            acc, step = r.get(k), r.get(k.replace("_accuracy", "_step"))
+            line += f"{acc:>9.3f}{step:>6}" if acc is not None else f"{'-':>9}{'-':>6}"
+        lines.append(line)
+    return "\n".join(lines)
