@@ -164,7 +164,7 @@ class Trainer:
         """The model file's ViT or BiT ResNet from a whole state dict: MPP's backbone without its patch head."""
         if self.mpp:
             model_sd = {k[len("backbone."):]: v for k, v in model_sd.items() if k.startswith("backbone.")}
-        plain = type(self.model)(self.model.config)
+        plain = self.blank_model()
         plain.load_state_dict(model_sd)
         return plain
 
@@ -172,9 +172,16 @@ class Trainer:
         """The model file's weights: the average with ``ema_decay``, else the trained ones."""
         if self.ema is None:
             return self.plain_model(state["model"])
-        plain = type(self.model)(self.model.config)
+        plain = self.blank_model()
         plain.load_state_dict(state["ema"]["model"])
         return plain
+
+    def blank_model(self) -> torch.nn.Module:
+        """A new model of this run's class and config, its initial weights drawn from a forked
+        random stream: a checkpoint taken at step s leaves dropout's and drop path's stream where
+        the run cut at s and resumed finds it."""
+        with torch.random.fork_rng(devices=[]):
+            return type(self.model)(self.model.config)
 
     def train(self) -> None:
         """Step to the end of the schedule, or to ``stop_after``."""
@@ -264,8 +271,7 @@ class Trainer:
             full = StateDictOptions(full_state_dict=True, cpu_offload=True)
             weights = {"model": get_model_state_dict(self.dist_model, options=full)}
         if self.rank == 0:
-            with torch.random.fork_rng(devices=[]):  # building the copy draws init weights; dropout's stream stays
-                self.best.model = self.published_model(weights)
+            self.best.model = self.published_model(weights)
 
     def evaluate_held_out(self, *, log: bool) -> dict[str, float]:
         """Held-out loss and accuracy at the end of each epoch and of the submission; ``log`` when
