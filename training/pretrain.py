@@ -81,6 +81,7 @@ class PretrainConfig:
     mixup: float = field(default=0.0, metadata={"off": 0.0, "help": "Mixup α: blend each batch with itself reversed, images and targets, λ ~ Beta(α, α); 0 is off (DeiT: 0.8, big_vision S/16: 0.2)"})
     cutmix: float = field(default=0.0, metadata={"off": 0.0, "help": "CutMix α: paste a box of the partner image covering about 1-λ of each image, λ ~ Beta(α, α); 0 is off (DeiT: 1.0)"})
     ema_decay: float = field(default=0.0, metadata={"off": 0.0, "help": "keep an exponential moving average of the weights with this decay (e.g. 0.9999; DeiT: 0.99996); the few-shot scores and the saved model use it; 0 is off"})
+    randaug: list[int] | None = field(default=None, metadata={"off": None, "help": "RandAugment N,M as big_vision runs it: N ops per image, each one of 16 picked uniformly, at magnitude M (0-30; above 10 extrapolates), after the crop and flip; off by default (big_vision S/16: 2,10; AugReg medium2: 2,15; DeiT: 2,9)"})
     mixup_switch_prob: float | None = field(default=None, metadata={"off": None, "help": "with both --mixup and --cutmix, the chance that a batch takes CutMix (default 0.5, as timm)"})
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
     loader: Literal["shards", "ray_data"] = field(
@@ -187,6 +188,7 @@ class PretrainConfig:
               "--strategy ddp")
 
     def _check_regularizers(self) -> None:
+        from training.randaugment import MAX_MAGNITUDE
         from vitcore.variants import is_bit_variant
 
         check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
@@ -200,6 +202,10 @@ class PretrainConfig:
         check(0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1) (0 is off), got {self.ema_decay}")
         check(not (self.ema_decay and self.strategy == "fsdp"), "ema_decay",
               "an averaged copy of an FSDP-sharded model is not supported; use --strategy ddp or leave it at 0")
+        check(self.randaug is None or (len(self.randaug) == 2 and self.randaug[0] >= 1
+                                        and 0 <= self.randaug[1] <= MAX_MAGNITUDE), "randaug",
+              f"expected N,M with N >= 1 layers and a magnitude M from 0 to {MAX_MAGNITUDE}, got "
+              f"{','.join(map(str, self.randaug or []))}; e.g. --randaug 2,10, or leave --randaug out")
         switch = self.mixup_switch_prob
         check(switch is None or (self.mixup > 0 and self.cutmix > 0), "mixup_switch_prob",
               "picks between Mixup and CutMix; give both --mixup and --cutmix, or leave it out")
@@ -272,6 +278,7 @@ def ray_data_stream(cfg: PretrainConfig, shards):
     import ray
 
     from pipelines.ray_source import read_shards
+    from training import randaugment
     from training.data import DecodeBatch, canvas_shape
 
     total = int(ray.cluster_resources().get("CPU", 0))
@@ -283,7 +290,8 @@ def ray_data_stream(cfg: PretrainConfig, shards):
         )
     decode = DecodeBatch(cfg.img_size, label_mode="multi" if cfg.loss == "sigmoid" else "single",
                          num_classes=len(shards.label_map), holdout=cfg.holdout,
-                         canvas=canvas_shape(shards, cfg.img_size) if cfg.device_augment else None)
+                         canvas=canvas_shape(shards, cfg.img_size) if cfg.device_augment else None,
+                         randaug=randaugment.from_config(cfg.randaug, cfg.seed))
     columns = ["key", "image", "format", "height", "width", "labels"]
     return read_shards(cfg.data, columns=columns).map_batches(decode, batch_format="numpy", batch_size=64)
 

@@ -12,7 +12,7 @@ from common.config import ConfigError, free_on_resume, not_recipe, off_values, p
 from training.checkpointer import check_resumable
 from training.pretrain import PretrainConfig, run_pretrain
 
-KNOBS = ("label_smoothing", "drop_path", "mixup", "cutmix", "mixup_switch_prob", "ema_decay")
+KNOBS = ("label_smoothing", "drop_path", "mixup", "cutmix", "mixup_switch_prob", "ema_decay", "randaug")
 
 
 def test_knobs_at_their_defaults_leave_the_hash_and_old_checkpoints_as_they_were():
