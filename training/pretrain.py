@@ -60,6 +60,8 @@ class PretrainConfig:
     width: int | None = field(default=None, metadata={"help": "override the variant's hidden size"})
     mlp_dim: int | None = field(default=None, metadata={"help": "override the variant's MLP size"})
     num_heads: int | None = field(default=None, metadata={"help": "override the variant's attention heads"})
+    classifier: Literal["token", "gap"] = field(default="token", metadata={"off": "token", "help": "token: the [class] token feeds the head (Eq. 4); gap: global average pooling of the encoded patches (big_vision's plain S/16 baseline)"})
+    posemb: Literal["learn", "sincos2d"] = field(default="learn", metadata={"off": "learn", "help": "learn: learned 1D position embeddings (the paper); sincos2d: fixed 2D sin-cos embeddings (big_vision's plain S/16 baseline)"})
     objective: Literal["classification", "mpp"] = field(
         default="classification", metadata={"help": "supervised labels, or masked patch prediction (Appendix B.1.2)"}
     )
@@ -179,6 +181,9 @@ class PretrainConfig:
         for name in ("depth", "width", "mlp_dim", "num_heads"):
             check(getattr(self, name) is None, name, f"sets a ViT's {name}; {self.variant} is a BiT ResNet, whose "
                   f"size is in its name (e.g. BiT-R50x1): drop --{name.replace('_', '-')}")
+        for name, default in (("classifier", "token"), ("posemb", "learn")):
+            check(getattr(self, name) == default, name, f"sets a ViT's {name}; {self.variant} is a BiT ResNet, which "
+                  f"pools by global average and has no position embeddings: drop --{name}")
         if self.dropout == DEFAULT_DROPOUT:
             self.dropout = 0.0
         check(self.dropout == 0, "dropout", f"{self.variant} is a BiT ResNet, which has no dropout; leave out --dropout")

@@ -186,28 +186,41 @@ def _blend(degenerate: torch.Tensor, x: torch.Tensor, factor: float) -> torch.Te
 
 
 def _grey(x: torch.Tensor) -> torch.Tensor:
-    """Pillow's RGB → L: ITU-R 601-2 luma in 16.16 fixed point, rounded. (B, 1, H, W)."""
-    r, g, b = x.to(torch.int32).unbind(1)
-    return ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).unsqueeze(1).to(x.dtype)
+    """Pillow's RGB → L: ITU-R 601-2 luma in 16.16 fixed point, rounded; exact in float32 (every
+    sum stays below 2**24). (B, 1, H, W)."""
+    r, g, b = x.unbind(1)
+    return (r * 19595.0 + g * 38470.0 + b * 7471.0 + 32768.0).div_(65536.0).floor_().unsqueeze(1)
+
+
+def _apply_lut(x: torch.Tensor, lut: torch.Tensor) -> torch.Tensor:
+    """Per-image, per-channel tables ``lut`` (B·C, 256) applied to ``x`` (B, C, H, W)."""
+    b, c, h, w = x.shape
+    flat = x.reshape(b * c, h * w).long()
+    return lut.to(x.dtype).gather(1, flat).view(b, c, h, w)
 
 
 def _autocontrast(x: torch.Tensor) -> torch.Tensor:
-    lo, hi = x.amin(dim=(2, 3), keepdim=True).double(), x.amax(dim=(2, 3), keepdim=True).double()
+    """Pillow's table: ``int(i * scale + offset)`` in float64, clipped; identity where max <= min."""
+    b, c = x.shape[:2]
+    lo = x.amin(dim=(2, 3)).reshape(b * c, 1).double()
+    hi = x.amax(dim=(2, 3)).reshape(b * c, 1).double()
     scale = 255.0 / (hi - lo).clamp(min=1.0)
-    out = (x.double() * scale + (-lo * scale)).clamp(0.0, 255.0).floor()
-    return torch.where(hi > lo, out, x.double()).to(x.dtype)
+    levels = torch.arange(256, device=x.device, dtype=torch.float64)[None]
+    lut = torch.where(hi > lo, (levels * scale + (-lo * scale)).clamp(0.0, 255.0).floor(), levels)
+    return _apply_lut(x, lut)
 
 
 def _equalize(x: torch.Tensor) -> torch.Tensor:
     b, c, h, w = x.shape
     flat = x.reshape(b * c, h * w).long()
-    hist = torch.zeros(b * c, 256, dtype=torch.long, device=x.device).scatter_add_(1, flat, torch.ones_like(flat))
+    rows = torch.arange(b * c, device=x.device)[:, None] * 256
+    hist = torch.bincount((flat + rows).view(-1), minlength=b * c * 256).view(b * c, 256)
     last = hist.gather(1, flat.amax(1, keepdim=True))  # the count of the highest value present
     step = (h * w - last) // 255
     lut = (hist.cumsum(1) + step // 2) // step.clamp(min=1)
     lut = torch.cat([torch.zeros_like(lut[:, :1]), lut[:, :-1]], 1).clamp(max=255)
-    out = torch.where(step > 0, lut.gather(1, flat), flat)
-    return out.view(b, c, h, w).to(x.dtype)
+    levels = torch.arange(256, device=x.device)[None]
+    return _apply_lut(x, torch.where(step > 0, lut, levels))
 
 
 def _sharpness(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -223,17 +236,20 @@ def _sharpness(x: torch.Tensor, factor: float) -> torch.Tensor:
 
 def _affine(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """Nearest-neighbour resampling with per-image Pillow AFFINE coefficients (B, 6): the output
-    pixel centre (x+½, y+½) reads the input at (a·x + b·y + c, d·x + e·y + f); outside is grey."""
+    pixel centre (x+½, y+½) reads input pixel ⌊a·x + b·y + c⌋, ⌊d·x + e·y + f⌋; outside is grey.
+
+    The source pixel is chosen in float64 and ``grid_sample`` fetches its centre, so the fetch has
+    half a pixel of slack; a ones channel marks what came from outside (big_vision's wrap/unwrap)."""
     b, c, h, w = x.shape
     m = matrix.to(x.device, torch.float64)[:, :, None, None]
     ys = (torch.arange(h, device=x.device, dtype=torch.float64) + 0.5)[None, :, None]
     xs = (torch.arange(w, device=x.device, dtype=torch.float64) + 0.5)[None, None, :]
-    sx = (m[:, 0] * xs + m[:, 1] * ys + m[:, 2]).floor().long()
-    sy = (m[:, 3] * xs + m[:, 4] * ys + m[:, 5]).floor().long()
-    inside = (sx >= 0) & (sx < w) & (sy >= 0) & (sy < h)
-    index = (sy.clamp(0, h - 1) * w + sx.clamp(0, w - 1)).view(b, 1, h * w).expand(b, c, h * w)
-    out = x.reshape(b, c, h * w).gather(2, index).view(b, c, h, w)
-    return torch.where(inside[:, None], out, torch.full_like(out, FILL))
+    sx = (m[:, 0] * xs + m[:, 1] * ys + m[:, 2]).floor_().add_(0.5).mul_(2.0 / w).sub_(1.0)
+    sy = (m[:, 3] * xs + m[:, 4] * ys + m[:, 5]).floor_().add_(0.5).mul_(2.0 / h).sub_(1.0)
+    grid = torch.stack([sx, sy], dim=-1).to(x.dtype)
+    wrapped = torch.cat([x, torch.ones_like(x[:, :1])], 1)
+    out = torch.nn.functional.grid_sample(wrapped, grid, mode="nearest", padding_mode="zeros", align_corners=False)
+    return torch.where(out[:, -1:] > 0, out[:, :-1], torch.full_like(out[:, :-1], FILL))
 
 
 def rotate_matrix(degrees: float, width: int, height: int) -> tuple[float, ...]:

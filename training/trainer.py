@@ -276,6 +276,10 @@ def model_options(cfg: Any) -> dict[str, Any]:
         opts["grad_checkpointing"] = True
     if getattr(cfg, "drop_path", 0.0):  # off: the option is not passed, so a BiT ResNet is built as before
         opts["drop_path_rate"] = cfg.drop_path
+    if getattr(cfg, "posemb", "learn") != "learn":
+        opts["posemb"] = cfg.posemb
+    if getattr(cfg, "classifier", "token") != "token":
+        opts["classifier"] = cfg.classifier
     return opts
 
 
