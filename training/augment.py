@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from training.randaugment import RandAugment
+
 #: The fields of a crop batch, as both loaders yield them (uint8 canvas, float boxes, ...).
 CROP_FIELDS = ("image", "box", "extent", "flip", "label")
 
@@ -38,6 +40,15 @@ def resample_weights(start: torch.Tensor, stop: torch.Tensor, extent: torch.Tens
 def crop_resize_flip(image: torch.Tensor, box: torch.Tensor, extent: torch.Tensor, flip: torch.Tensor,
                      size: int) -> torch.Tensor:
     """uint8 canvases (B, H, W, 3) → float (B, 3, size, size) in ``[-1, 1]``, on ``image.device``.
+    The arguments are :func:`crop_pixels`'s."""
+    # The official code's value range: (x - 127.5) / 127.5. The weights are convex, so the
+    # clamp only removes float rounding above 255.
+    return crop_pixels(image, box, extent, flip, size).sub_(127.5).div_(127.5).clamp_(-1.0, 1.0).contiguous()
+
+
+def crop_pixels(image: torch.Tensor, box: torch.Tensor, extent: torch.Tensor, flip: torch.Tensor,
+                size: int) -> torch.Tensor:
+    """uint8 canvases (B, H, W, 3) → float (B, 3, size, size) pixel values, not rounded, on ``image.device``.
 
     Args:
         image: the canvases; only ``[:extent_h, :extent_w]`` of each is read.
@@ -54,16 +65,20 @@ def crop_resize_flip(image: torch.Tensor, box: torch.Tensor, extent: torch.Tenso
     wx = resample_weights(box[:, 0], box[:, 2], extent[:, 1], w, size)
     wx = torch.where(flip.to(dev).bool()[:, None, None], wx.flip(1), wx)
     rows = torch.bmm(wy, image.reshape(b, h, w * 3).float()).view(b, size, w, 3)
-    out = torch.einsum("bjx,bixc->bcij", wx, rows)
-    # The official code's value range: (x - 127.5) / 127.5. The weights are convex, so the
-    # clamp only removes float rounding above 255.
-    return out.sub_(127.5).div_(127.5).clamp_(-1.0, 1.0).contiguous()
+    return torch.einsum("bjx,bixc->bcij", wx, rows)
 
 
-def device_batch(batch: dict, size: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+def device_batch(batch: dict, size: int, device: torch.device | str, randaug: RandAugment | None = None,
+                 key: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """A crop batch from either loader → ``(x, y)`` on ``device``: the uint8 canvases cross to the
-    device, then :func:`crop_resize_flip` runs there."""
+    device, then :func:`crop_resize_flip` runs there. With ``randaug``, the crops are rounded to
+    whole pixel values, as the per-item path's Pillow resize leaves them, and augmented per image
+    with choices keyed by ``key`` (step, rank, micro-batch) before the value range."""
     device = torch.device(device)
     image = batch["image"].to(device, non_blocking=True)
     label = batch["label"].to(device, non_blocking=True)
-    return crop_resize_flip(image, batch["box"], batch["extent"], batch["flip"], size), label
+    fields = (image, batch["box"], batch["extent"], batch["flip"], size)
+    if randaug is None:
+        return crop_resize_flip(*fields), label
+    x = randaug(crop_pixels(*fields).round_().clamp_(0.0, 255.0), key)
+    return x.sub_(127.5).div_(127.5).contiguous(), label

@@ -34,6 +34,7 @@ import pyarrow.compute as pc
 
 from common.config import ConfigError
 from pipelines.schema import ShardSet, decode_row_image
+from training.randaugment import RandAugment
 
 Transform = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 LabelMode = Literal["single", "multi"]
@@ -96,10 +97,12 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_floating_point() else x.float().sub_(127.5).div_(127.5)
 
 
-def train_transform(size: int, *, flip: bool = True, min_area: float = 0.05, uint8: bool = False) -> Transform:
+def train_transform(size: int, *, flip: bool = True, min_area: float = 0.05, uint8: bool = False,
+                    randaug: RandAugment | None = None) -> Transform:
     """Inception crop covering at least ``min_area`` of the image (1.0: plain resize), then a
-    random flip. VTAB-style tasks where a flip or a crop changes the label turn them off.
-    ``uint8=True`` returns uint8 CHW for :func:`normalize` to finish on the device."""
+    random flip, then ``randaug`` (Pillow's ops, drawn after the crop and flip, so that without it
+    the draws are as before). VTAB-style tasks where a flip or a crop changes the label turn them
+    off. ``uint8=True`` returns uint8 CHW for :func:`normalize` to finish on the device."""
     if not 0.0 < min_area <= 1.0:
         raise ValueError(f"min_area must be in (0, 1], got {min_area}")
 
@@ -111,6 +114,8 @@ def train_transform(size: int, *, flip: bool = True, min_area: float = 0.05, uin
             img = img.resize((size, size), Image.BILINEAR)
         if flip and rng.random() < 0.5:
             img = img.transpose(Image.FLIP_LEFT_RIGHT)
+        if randaug is not None:
+            img = randaug.pil(img, rng)
         return to_uint8_chw(np.asarray(img)) if uint8 else value_range(np.asarray(img))
 
     return apply
@@ -516,8 +521,9 @@ class DecodeBatch:
     """
 
     def __init__(self, size: int, *, label_mode: LabelMode, num_classes: int,
-                 holdout: float, train: bool = True, canvas: tuple[int, int] | None = None, fraction: float = 1.0):
-        self.transform = train_transform(size, uint8=True) if train else eval_transform(size, uint8=True)
+                 holdout: float, train: bool = True, canvas: tuple[int, int] | None = None, fraction: float = 1.0,
+                 randaug: RandAugment | None = None):
+        self.transform = train_transform(size, uint8=True, randaug=randaug) if train else eval_transform(size, uint8=True)
         self.label_mode, self.num_classes, self.holdout, self.train = label_mode, num_classes, holdout, train
         self.size, self.canvas, self.fraction = size, canvas, fraction
 

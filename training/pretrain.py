@@ -61,6 +61,8 @@ class PretrainConfig:
     width: int | None = field(default=None, metadata={"help": "override the variant's hidden size"})
     mlp_dim: int | None = field(default=None, metadata={"help": "override the variant's MLP size"})
     num_heads: int | None = field(default=None, metadata={"help": "override the variant's attention heads"})
+    classifier: Literal["token", "gap"] = field(default="token", metadata={"off": "token", "help": "token: the [class] token feeds the head (Eq. 4); gap: global average pooling of the encoded patches (big_vision's plain S/16 baseline)"})
+    posemb: Literal["learn", "sincos2d"] = field(default="learn", metadata={"off": "learn", "help": "learn: learned 1D position embeddings (the paper); sincos2d: fixed 2D sin-cos embeddings (big_vision's plain S/16 baseline)"})
     objective: Literal["classification", "mpp"] = field(
         default="classification", metadata={"help": "supervised labels, or masked patch prediction (Appendix B.1.2)"}
     )
@@ -82,6 +84,7 @@ class PretrainConfig:
     mixup: float = field(default=0.0, metadata={"off": 0.0, "help": "Mixup α: blend each batch with itself reversed, images and targets, λ ~ Beta(α, α); 0 is off (DeiT: 0.8, big_vision S/16: 0.2)"})
     cutmix: float = field(default=0.0, metadata={"off": 0.0, "help": "CutMix α: paste a box of the partner image covering about 1-λ of each image, λ ~ Beta(α, α); 0 is off (DeiT: 1.0)"})
     ema_decay: float = field(default=0.0, metadata={"off": 0.0, "help": "keep an exponential moving average of the weights with this decay (e.g. 0.9999; DeiT: 0.99996); the few-shot scores and the saved model use it; 0 is off"})
+    randaug: list[int] | None = field(default=None, metadata={"off": None, "help": "RandAugment N,M as big_vision runs it: N ops per image, each one of 16 picked uniformly, at magnitude M (0-30; above 10 extrapolates), after the crop and flip; off by default (big_vision S/16: 2,10; AugReg medium2: 2,15; DeiT: 2,9)"})
     mixup_switch_prob: float | None = field(default=None, metadata={"off": None, "help": "with both --mixup and --cutmix, the chance that a batch takes CutMix (default 0.5, as timm)"})
     holdout: float = field(default=0.02, metadata={"help": "fraction of rows held out to measure accuracy"})
     fraction: float = field(default=1.0, metadata={"off": 1.0, "help": "train on the nested subset of this fraction of the rows not held out, picked by a hash of each row's key: a smaller fraction's rows lie inside a larger one's (1: every row)"})
@@ -181,6 +184,9 @@ class PretrainConfig:
         for name in ("depth", "width", "mlp_dim", "num_heads"):
             check(getattr(self, name) is None, name, f"sets a ViT's {name}; {self.variant} is a BiT ResNet, whose "
                   f"size is in its name (e.g. BiT-R50x1): drop --{name.replace('_', '-')}")
+        for name, default in (("classifier", "token"), ("posemb", "learn")):
+            check(getattr(self, name) == default, name, f"sets a ViT's {name}; {self.variant} is a BiT ResNet, which "
+                  f"pools by global average and has no position embeddings: drop --{name}")
         if self.dropout == DEFAULT_DROPOUT:
             self.dropout = 0.0
         check(self.dropout == 0, "dropout", f"{self.variant} is a BiT ResNet, which has no dropout; leave out --dropout")
@@ -190,6 +196,7 @@ class PretrainConfig:
               "--strategy ddp")
 
     def _check_regularizers(self) -> None:
+        from training.randaugment import MAX_MAGNITUDE
         from vitcore.variants import is_bit_variant
 
         check(0 <= self.label_smoothing < 1, "label_smoothing", f"must be in [0, 1), got {self.label_smoothing}")
@@ -203,6 +210,10 @@ class PretrainConfig:
         check(0 <= self.ema_decay < 1, "ema_decay", f"must be in [0, 1) (0 is off), got {self.ema_decay}")
         check(not (self.ema_decay and self.strategy == "fsdp"), "ema_decay",
               "an averaged copy of an FSDP-sharded model is not supported; use --strategy ddp or leave it at 0")
+        check(self.randaug is None or (len(self.randaug) == 2 and self.randaug[0] >= 1
+                                        and 0 <= self.randaug[1] <= MAX_MAGNITUDE), "randaug",
+              f"expected N,M with N >= 1 layers and a magnitude M from 0 to {MAX_MAGNITUDE}, got "
+              f"{','.join(map(str, self.randaug or []))}; e.g. --randaug 2,10, or leave --randaug out")
         switch = self.mixup_switch_prob
         check(switch is None or (self.mixup > 0 and self.cutmix > 0), "mixup_switch_prob",
               "picks between Mixup and CutMix; give both --mixup and --cutmix, or leave it out")
@@ -275,6 +286,7 @@ def ray_data_stream(cfg: PretrainConfig, shards):
     import ray
 
     from pipelines.ray_source import read_shards
+    from training import randaugment
     from training.data import DecodeBatch, canvas_shape
 
     total = int(ray.cluster_resources().get("CPU", 0))
@@ -286,7 +298,8 @@ def ray_data_stream(cfg: PretrainConfig, shards):
         )
     decode = DecodeBatch(cfg.img_size, label_mode="multi" if cfg.loss == "sigmoid" else "single",
                          num_classes=len(shards.label_map), holdout=cfg.holdout, fraction=cfg.fraction,
-                         canvas=canvas_shape(shards, cfg.img_size) if cfg.device_augment else None)
+                         canvas=canvas_shape(shards, cfg.img_size) if cfg.device_augment else None,
+                         randaug=randaugment.from_config(cfg.randaug, cfg.seed))
     columns = ["key", "image", "format", "height", "width", "labels"]
     return read_shards(cfg.data, columns=columns).map_batches(decode, batch_format="numpy", batch_size=64)
 

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 import vitcore
 from common.tracking_queue import SPOOL_DIR
+from training import randaugment
 from training.augment import device_batch
 from training.best import BestFewshot
 from training.checkpointer import Checkpointer, DataPosition, gather
@@ -86,6 +87,7 @@ class Trainer:
         self.held_out = None if self.mpp or not len(held_ds) else HeldOut(held_ds, cfg, self.rank, self.world)
         self.model, self.dist_model, self.trainable = self._build_model(num_classes)
         self.num_classes, self.mixer = num_classes, _mixer(cfg)
+        self.randaug = randaugment.from_config(cfg.randaug, cfg.seed)  # the device path's; items get theirs in _datasets
         # The average of the backbone's weights (the model the run saves), on the device, in fp32.
         self.ema = Polyak(self.model, cfg.ema_decay) if cfg.ema_decay else None
         # Dropout and MPP corruption differ between ranks; the initial weights above did not.
@@ -230,7 +232,8 @@ class Trainer:
     def _loss(self, batch) -> torch.Tensor:
         # augment="device": the CPU only decoded and copied each crop; the per-pixel work is batched here.
         if isinstance(batch, dict):
-            x, y = device_batch(batch, self.cfg.img_size, self.device)
+            x, y = device_batch(batch, self.cfg.img_size, self.device, self.randaug,
+                                key=(self.step, self.rank, self.micro))
         else:
             x, y = batch
             # uint8 batches (Ray Data) cross to the device at a quarter of the bytes, then normalise there.
@@ -297,6 +300,10 @@ def model_options(cfg: Any) -> dict[str, Any]:
         opts["grad_checkpointing"] = True
     if getattr(cfg, "drop_path", 0.0):  # off: the option is not passed, so a BiT ResNet is built as before
         opts["drop_path_rate"] = cfg.drop_path
+    if getattr(cfg, "posemb", "learn") != "learn":
+        opts["posemb"] = cfg.posemb
+    if getattr(cfg, "classifier", "token") != "token":
+        opts["classifier"] = cfg.classifier
     return opts
 
 
@@ -312,7 +319,8 @@ def _optimizer(cfg: Any, model: torch.nn.Module) -> torch.optim.Optimizer:
 def _datasets(cfg: Any) -> tuple[ShardImageDataset, ShardImageDataset, int]:
     """(training rows, held-out rows, number of classes) of ``cfg.data``. With ``device_augment``
     the training rows are crop batches (:class:`ShardCropDataset`); the held-out rows stay per item."""
-    full = ShardImageDataset(cfg.data, train_transform(cfg.img_size),
+    randaug = randaugment.from_config(cfg.randaug, cfg.seed)
+    full = ShardImageDataset(cfg.data, train_transform(cfg.img_size, randaug=randaug),
                              label_mode="multi" if cfg.loss == "sigmoid" else "single", seed=cfg.seed)
     keys = shard_keys(full.shards)
     held_out = holdout_mask(keys, cfg.holdout)

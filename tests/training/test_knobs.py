@@ -12,7 +12,8 @@ from common.config import ConfigError, free_on_resume, not_recipe, off_values, p
 from training.checkpointer import check_resumable
 from training.pretrain import PretrainConfig, run_pretrain
 
-KNOBS = ("label_smoothing", "drop_path", "mixup", "cutmix", "mixup_switch_prob", "ema_decay")
+KNOBS = ("label_smoothing", "drop_path", "mixup", "cutmix", "mixup_switch_prob", "ema_decay", "randaug", "classifier",
+         "posemb")
 
 
 def test_knobs_at_their_defaults_leave_the_hash_and_old_checkpoints_as_they_were():
@@ -93,3 +94,4 @@ def test_a_run_with_every_knob_cut_and_resumed_trains_to_the_end(photo_shards, t
     for name, avg in state["ema"]["model"].items():
         assert torch.equal(saved[name], avg), name
     assert not torch.equal(saved["head.weight"], state["model"]["head.weight"])
+
