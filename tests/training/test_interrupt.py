@@ -138,7 +138,8 @@ def _logged_models(home: Path, run_id: str) -> list:
 
 
 def test_ctrl_c_on_finetune_is_one_line_and_a_finished_rerun_logs_no_second_model(tiny_shards, tmp_path,
-                                                                                  build_pretrained):
+                                                                                  build_pretrained, job_main,
+                                                                                  ray_session, monkeypatch):
     home, out = tmp_path / "home", tmp_path / "out"
     pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
     job = [sys.executable, "jobs/finetune.py", "--train", str(tiny_shards), "--test", str(tiny_shards),
@@ -165,8 +166,9 @@ def test_ctrl_c_on_finetune_is_one_line_and_a_finished_rerun_logs_no_second_mode
                      f"resume with: python jobs/finetune.py {' '.join(job[2:])}"], stderr
     assert [r.info.status for r in _runs(home) if r.data.tags.get("vitscale.stage") == "finetune"] == ["KILLED"]
 
-    for _ in range(2):  # the resume, then a re-run of the finished fine-tune
-        rerun = subprocess.run(job, env=_env(home), cwd=REPO, capture_output=True, text=True, timeout=600)
+    _env_here(monkeypatch, home)
+    for _ in range(2):  # the resume, then a re-run of the finished fine-tune, each main(argv) in this process
+        rerun = job_main("finetune", *job[2:])
         assert rerun.returncode == 0, rerun.stderr[-3000:]
     run_id = json.loads(rerun.stdout)["mlflow_run_id"]
     assert [m.name for m in _logged_models(home, run_id)] == [f"finetune-Ti8-{tiny_shards.name}"]
