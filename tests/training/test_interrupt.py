@@ -21,6 +21,13 @@ def _env(home: Path) -> dict:
     return env
 
 
+def _env_here(monkeypatch, home: Path) -> None:
+    """:func:`_env` for the runs that are ``main(argv)`` in this process (the ``job_main`` fixture)."""
+    monkeypatch.setenv("VITSCALE_HOME", str(home))
+    for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+
+
 def _runs(home: Path) -> list:
     import mlflow
 
@@ -40,7 +47,8 @@ def _own_lines(stderr: str) -> list[str]:
     return [line for line in plain if line.strip() and not line.startswith("(")]
 
 
-def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it(tiny_shards, tmp_path):
+def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it(tiny_shards, tmp_path, job_main,
+                                                                                   ray_session, monkeypatch):
     home, out = tmp_path / "home", tmp_path / "out"
     job = [sys.executable, "jobs/pretrain.py", "--data", str(tiny_shards), "--output", str(out), "--variant", "Ti/8",
            "--depth", "1", "--img-size", "32", "--batch-size", "4", "--num-workers", "1", "--checkpoint-every", "2",
@@ -77,8 +85,10 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it
     torn = run_dir / "checkpoint_2000-01-01_00-00-00.000000"
     torn.mkdir()
     (torn / "train_state.pt").write_bytes(b"cut short")
-    rerun = subprocess.run([*job, "--steps", str(newest + 2)], env=_env(home), cwd=REPO, capture_output=True,
-                           text=True, timeout=600)
+    # The runs after the Ctrl-C are main(argv) in this process, on the session's Ray: the same job, without
+    # a fresh interpreter and Ray each.
+    _env_here(monkeypatch, home)
+    rerun = job_main("pretrain", *job[2:], "--steps", str(newest + 2))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     summary = json.loads(rerun.stdout)
     assert summary["resumed_from_step"] == newest and summary["steps"] == newest + 2
@@ -90,21 +100,18 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it
     assert {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()} == listed  # orphans and the torn folder are gone
 
     # A changed architecture is refused before Ray starts, in one line, with no MLflow run left behind.
-    refused = subprocess.run([*job, "--steps", str(newest + 4), "--depth", "2"], env=_env(home), cwd=REPO,
-                             capture_output=True, text=True, timeout=300)
+    refused = job_main("pretrain", *job[2:], "--steps", str(newest + 4), "--depth", "2")
     assert refused.returncode == 2, refused.stderr[-3000:]
     assert _own_lines(refused.stderr) == [
         f"pretrain: error: run_name {record['run_name']!r}: cannot resume a run trained with a different config "
         "(depth: checkpoint 1, now 2); re-run with the same flags to resume it, pass --overwrite to start it again, "
         "or use another --output"]
-    other = subprocess.run([*job, "--steps", "4", "--run-name", "another"], env=_env(home), cwd=REPO,
-                           capture_output=True, text=True, timeout=300)
+    other = job_main("pretrain", *job[2:], "--steps", "4", "--run-name", "another")
     assert other.returncode == 2 and f"holds run {record['run_name']!r}, not 'another'" in other.stderr
     assert len(_runs(home)) == 1
 
     # --overwrite starts again under a new name; the old run's checkpoints go.
-    fresh = subprocess.run([*job, "--steps", "2", "--depth", "2", "--overwrite"], env=_env(home), cwd=REPO,
-                           capture_output=True, text=True, timeout=600)
+    fresh = job_main("pretrain", *job[2:], "--steps", "2", "--depth", "2", "--overwrite")
     assert fresh.returncode == 0, fresh.stderr[-3000:]
     assert json.loads(fresh.stdout)["resumed_from_step"] == 0
     assert not run_dir.exists()
@@ -131,7 +138,8 @@ def _logged_models(home: Path, run_id: str) -> list:
 
 
 def test_ctrl_c_on_finetune_is_one_line_and_a_finished_rerun_logs_no_second_model(tiny_shards, tmp_path,
-                                                                                  build_pretrained):
+                                                                                  build_pretrained, job_main,
+                                                                                  ray_session, monkeypatch):
     home, out = tmp_path / "home", tmp_path / "out"
     pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
     job = [sys.executable, "jobs/finetune.py", "--train", str(tiny_shards), "--test", str(tiny_shards),
@@ -158,8 +166,9 @@ def test_ctrl_c_on_finetune_is_one_line_and_a_finished_rerun_logs_no_second_mode
                      f"resume with: python jobs/finetune.py {' '.join(job[2:])}"], stderr
     assert [r.info.status for r in _runs(home) if r.data.tags.get("vitscale.stage") == "finetune"] == ["KILLED"]
 
-    for _ in range(2):  # the resume, then a re-run of the finished fine-tune
-        rerun = subprocess.run(job, env=_env(home), cwd=REPO, capture_output=True, text=True, timeout=600)
+    _env_here(monkeypatch, home)
+    for _ in range(2):  # the resume, then a re-run of the finished fine-tune, each main(argv) in this process
+        rerun = job_main("finetune", *job[2:])
         assert rerun.returncode == 0, rerun.stderr[-3000:]
     run_id = json.loads(rerun.stdout)["mlflow_run_id"]
     assert [m.name for m in _logged_models(home, run_id)] == [f"finetune-Ti8-{tiny_shards.name}"]

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,16 +44,16 @@ def test_pretrain_refuses_a_crafted_snapshot_before_ray_starts(tmp_path, mlflow_
     assert (victim / "keep.txt").read_text() == "precious"
 
 
-def test_pretrain_resumes_from_the_checkpoint_before_one_whose_bytes_changed(tiny_shards, tmp_path):
+def test_pretrain_resumes_from_the_checkpoint_before_one_whose_bytes_changed(tiny_shards, tmp_path, job_main,
+                                                                             ray_session, monkeypatch):
     from training.checkpointer import TRAIN_STATE, read_record
 
     out = tmp_path / "out"
-    job = [sys.executable, str(REPO / "jobs" / "pretrain.py"), "--data", str(tiny_shards), "--output", str(out),
-           "--variant", "Ti/8", "--depth", "1", "--img-size", "32", "--batch-size", "4", "--num-workers", "1",
-           "--checkpoint-every", "2", "--warmup-steps", "1", "--holdout", "0"]
-    env = {**os.environ, "VITSCALE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    first = subprocess.run([*job, "--steps", "4"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    job = ["--data", str(tiny_shards), "--output", str(out), "--variant", "Ti/8", "--depth", "1", "--img-size", "32",
+           "--batch-size", "4", "--num-workers", "1", "--checkpoint-every", "2", "--warmup-steps", "1", "--holdout", "0"]
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "home"))  # both runs are main(argv) on the session's Ray
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    first = job_main("pretrain", *job, "--steps", "4")
     assert first.returncode == 0, first.stderr[-3000:]
     run_dir = out / "ray" / json.loads(first.stdout)["checkpoint"].split("/")[-2]
     by_step = {rec["step"]: p for p in run_dir.glob("checkpoint_*") if (rec := read_record(p))}
@@ -64,7 +63,7 @@ def test_pretrain_resumes_from_the_checkpoint_before_one_whose_bytes_changed(tin
         f.seek(state.stat().st_size // 2)
         f.write(b"\0" * 4096)
 
-    rerun = subprocess.run([*job, "--steps", "6"], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    rerun = job_main("pretrain", *job, "--steps", "6")
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert json.loads(rerun.stdout)["resumed_from_step"] == 2
     warned = [line for line in rerun.stderr.splitlines() if "sha256" in line]
