@@ -60,7 +60,7 @@ def member_labels(name: str, folder_labels: tuple[str, ...], stem: str) -> tuple
     if folder_labels:
         return folder_labels
     parts = name.split("/")
-    if len(parts) > 2 and parts[0] == stem:
+    if len(parts) > 1 and parts[0] == stem:  # the tarred folder itself: ``tar cf val.tar val/``
         parts = parts[1:]
     return (parts[0],) if len(parts) > 1 else None
 
@@ -126,6 +126,8 @@ def unlabelled_members(url: str) -> list[str]:
     """The names of the archive's members that sit in no class folder, from its headers (an
     uncompressed archive is seeked through, not read); as far as it can be read."""
     stem, names = _stem(url), []
+    if irregular_file(url):  # a FIFO is never opened; reading it quarantines it
+        return names
     try:
         with fsspec.open(url, "rb") as raw, tarfile.open(fileobj=raw, mode="r:*") as archive:
             names.extend(name for _, name in file_members(archive) if member_labels(name, (), stem) is None)

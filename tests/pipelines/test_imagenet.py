@@ -219,3 +219,11 @@ def test_prepare_ingests_the_validation_tar_with_sorted_wnid_ids(val_folder, val
         row = shards[i]
         member = row["source"].split("::")[0].rsplit("/", 1)[1]
         assert (shards.label_names[row["labels"][0]],) == expected[member]
+
+
+def test_a_tarred_validation_folder_takes_its_labels_from_the_label_file(val_folder, tmp_path):
+    # `tar cf val.tar val/`: its members sit in the tarred folder, not in class folders named "val".
+    path = tmp_path / "val.tar"
+    with tarfile.open(path, "w") as archive:
+        archive.add(val_folder / "val", arcname="val")
+    assert _member_labels(val_folder, path, labels=str(val_folder / "LOC_val_solution.csv")) == _expected()
