@@ -20,12 +20,12 @@ demo: $(STAMP)
 	$(PY) jobs/demo.py
 
 # ruff first: unused imports and names, undefined names, import order (pyproject.toml).
-# Two pytest-xdist workers, one per core of the CI machine; groups in the order tests/conftest.py
+# Two pytest-xdist workers, one per core of the CI machine; test files in the order tests/conftest.py
 # gives them (TEST_WORKERS=0 runs the suite in one process).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 
 bench: $(STAMP)
 	for b in benchmarks/*.py; do $(PY) $$b || exit 1; done

@@ -338,9 +338,9 @@ def unlabelled_shards(tmp_path_factory):
 
 
 
-# Under ``-n``, a worker takes the next group when it is free: the longest go first, so neither
-# worker is left with a long one at the end. The shared demo chain, then the files whose tests
-# start clusters, interrupt stages or sweep (``--durations`` of a whole run shows them).
+# Under ``-n``, a worker takes the next test file when it is free: the longest go first, so neither
+# worker is left with a long one at the end. The files that read the shared demo chain, then the
+# files whose tests start clusters, interrupt stages or sweep (``--durations`` of a whole run shows them).
 _LONG_FIRST = ("small_demo", "tests/pipelines/test_benchmark.py", "tests/training/test_interrupt.py",
                "tests/training/test_resume_guard.py", "tests/jobs/test_entrypoints.py",
                "tests/training/test_trainer.py", "tests/training/test_knobs.py", "tests/transfer/test_vtab.py",
@@ -349,14 +349,15 @@ _LONG_FIRST = ("small_demo", "tests/pipelines/test_benchmark.py", "tests/trainin
 
 
 def pytest_collection_modifyitems(config, items):
-    """Groups for ``pytest -n 2 --dist loadgroup`` (``make test``): a module's tests run on one
-    worker, so its module fixtures are built once, and every test of the shared demo chain runs on
-    the worker that built ``small_demo``. Without pytest-xdist's ``-n`` the marks do nothing and
-    the order is pytest's own."""
-    groups = {}
-    for item in items:
-        groups[item] = "small_demo" if "small_demo" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(groups[item]))
-    if hasattr(config, "workerinput"):  # an xdist worker: the controller queues groups in this order
-        rank = {group: i for i, group in enumerate(_LONG_FIRST)}
-        items.sort(key=lambda item: rank.get(groups[item], len(rank)))
+    """The order ``pytest -n 2 --dist loadfile`` (``make test``) queues test files in: each file runs
+    on one worker (its module fixtures are built once), and a worker that runs a reader of the demo
+    chain builds ``small_demo`` once. Only on an xdist worker; a plain run keeps pytest's order."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {group: i for i, group in enumerate(_LONG_FIRST)}
+
+    def key(item):
+        group = "small_demo" if "small_demo" in getattr(item, "fixturenames", ()) else item.nodeid.split("::")[0]
+        return rank.get(group, len(rank))
+
+    items.sort(key=key)
