@@ -20,9 +20,9 @@ demo: $(STAMP)
 	$(PY) jobs/demo.py
 
 # ruff first: unused imports and names, undefined names, import order (pyproject.toml).
-# Two pytest-xdist workers, one per core of the CI machine; test files in the order tests/conftest.py
-# gives them (TEST_WORKERS=0 runs the suite in one process).
-TEST_WORKERS ?= 2
+# One process by default; TEST_WORKERS=2 runs the suite on two pytest-xdist workers, a test file to
+# a worker, in the order tests/conftest.py gives them.
+TEST_WORKERS ?= 0
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
