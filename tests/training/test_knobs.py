@@ -13,7 +13,7 @@ from training.checkpointer import check_resumable
 from training.pretrain import PretrainConfig, run_pretrain
 
 KNOBS = ("label_smoothing", "drop_path", "mixup", "cutmix", "mixup_switch_prob", "ema_decay", "randaug", "classifier",
-         "posemb")
+         "posemb", "fraction")
 
 
 def test_knobs_at_their_defaults_leave_the_hash_and_old_checkpoints_as_they_were():
