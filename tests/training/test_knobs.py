@@ -55,24 +55,6 @@ TINY = dict(variant="Ti/8", depth=2, img_size=32, num_workers=1, warmup_steps=2,
 ALL_KNOBS = dict(label_smoothing=0.1, drop_path=0.2, mixup=0.8, cutmix=1.0, ema_decay=0.9)
 
 
-@pytest.fixture(scope="module")
-def photo_shards(tmp_path_factory, mlflow_store, ray_session):
-    """Crops of real photos in three classes, stored as JPEG shards with a 64 px shorter side."""
-    from common.photos import photo
-    from demo.data import random_crop
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
-
-    root = tmp_path_factory.mktemp("knobs")
-    rng = np.random.default_rng(0)
-    for name in ("chelsea.png", "coffee.png", "astronaut.png"):
-        folder = root / "src" / name.split(".")[0]
-        folder.mkdir(parents=True)
-        base = photo(name, max_side=200)
-        for i in range(10):
-            random_crop(base, 96, rng).save(folder / f"{i}.jpg", quality=90)
-    run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=64, workers=1))
-    return str(root / "shards")
 
 
 def _weights(summary):
