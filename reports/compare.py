@@ -184,12 +184,16 @@ def _schedule_notes(runs: list[Run], store: Store) -> list[str]:
         notes.append(f"steps {steps(best)} vs {steps(second)}")
 
     def resumed(r: Run) -> bool:
-        name = r.params.get("run_name")
-        if r.metrics.get("restarts", 0) > 0:
+        if r.metrics.get("restarts", 0) > 0 or r.metrics.get("resumed_from_step", 0) > 0:
             return True
+        if "resumed_from_step" in r.metrics:
+            return False
+        # A run logged before resumed_from_step was: an earlier run of its name that stopped short
+        # of its steps (a time-boxed submission); a finished run of the same name is a rerun.
+        name = r.params.get("run_name")
         return bool(name and name != "None" and any(
             o.params.get("run_name") == name and o.stage == r.stage and o.start < r.start and o.id != r.id
-            for o in store.runs.values()))
+            and o.metrics.get("steps", 0) < r.metrics.get("steps", 0) for o in store.runs.values()))
 
     flags = [resumed(best), resumed(second)]
     if any(flags):

@@ -255,7 +255,7 @@ def mlflow_client():
 SMALL_DEMO = dict(
     per_shape=10, per_photo=5, epochs=2, batch_size=32, finetune_steps=12, finetune_batch_size=32,
     lrs=[0.01, 0.1], num_workers=2, prepare_workers=2,
-    vtab_train=24, vtab_val=8, vtab_test=16, vtab_lrs=[0.01, 0.1], vtab_steps=[2, 4],
+    vtab_train=24, vtab_val=8, vtab_test=16, vtab_lrs=[0.1], vtab_steps=[2, 4],
 )
 
 

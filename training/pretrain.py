@@ -709,6 +709,7 @@ def _publish(cfg: PretrainConfig, run: Any, summary: dict, shards: Any, output: 
     (registered under ``register_as``); ``summary`` gains where they went."""
     run_id, model_path = run.info.run_id, Path(summary["model"])
     tracking.log_metrics({"restarts": summary["restarts"], "steps": summary["steps"],
+                          "resumed_from_step": summary["resumed_from_step"],
                           **{k: v for k, v in summary["metrics"].items() if k.startswith("best_fewshot_")}})
     tracking.log_dict(summary, "pretrain_summary.json")
     figures = _inspection_figures(model_path, cfg, output / "inspection")

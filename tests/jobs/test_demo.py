@@ -79,7 +79,7 @@ def test_every_stage_is_a_run_in_its_own_experiment_naming_the_demo(small_demo):
     vtab_trials = client.search_runs(
         [vtab.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{vtab.info.run_id}'"
     )
-    assert len(vtab_trials) == 3 * 4 + 3  # tasks x settings, then each task once more
+    assert len(vtab_trials) == 3 * 2 + 3  # tasks x settings, then each task once more
     fewshot = next(r for r in stages if r.data.tags["vitscale.stage"] == "fewshot")
     tasks = client.search_runs(
         [fewshot.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{fewshot.info.run_id}'"
@@ -91,7 +91,7 @@ def test_every_stage_is_a_run_in_its_own_experiment_naming_the_demo(small_demo):
     assert client.get_metric_history(pretrain.info.run_id, "train_loss")
     assert len(client.get_metric_history(pretrain.info.run_id, "checkpoint_train_loss")) >= 2
     # Every run of the demo, children included, is found by the demo's id.
-    assert len(_all_runs(client, f"tags.`vitscale.demo_run_id` = '{demo_id}'")) == len(stages) + 3 + 15 + 3  # finetune trials, vtab, few-shot tasks
+    assert len(_all_runs(client, f"tags.`vitscale.demo_run_id` = '{demo_id}'")) == len(stages) + 3 + 9 + 3  # finetune trials, vtab, few-shot tasks
 
 
 def _sha256(path) -> str:

@@ -192,6 +192,23 @@ def test_a_resumed_shorter_schedule_is_not_called_run_to_run_variation(home):
     assert "steps 24 vs 12 of 24 planned" in pre.verdict and "resumed from a checkpoint: no vs yes" in pre.verdict
 
 
+def test_a_rerun_under_the_same_name_is_not_called_resumed(home):
+    # Two demos in one folder: both pre-train "demo-pretrain" from step 0; a third resumed from step 8.
+    params = {"data": "/d/corpus", "steps": "24", "run_name": "demo-pretrain"}
+    metrics = {"holdout_accuracy": 0.5, "steps": 24, "planned_steps": 24, "resumed_from_step": 0}
+    first = log("pretrain", params, metrics, tags=_manifest("b"))
+    again = log("pretrain", params, {**metrics, "holdout_accuracy": 0.4}, tags=_manifest("b"))
+    store = open_store(tracking.tracking_uri())
+    [pre] = [r for r in compare.rank(store, compare.selection(store, [], []), LineageIndex(store))
+             if r.stage == "pretrain"]
+    assert [r.id for r in pre.runs] == [first, again] and "resumed" not in pre.verdict
+    log("pretrain", params, {**metrics, "holdout_accuracy": 0.6, "resumed_from_step": 8}, tags=_manifest("b"))
+    store = open_store(tracking.tracking_uri())
+    [pre] = [r for r in compare.rank(store, compare.selection(store, [], []), LineageIndex(store))
+             if r.stage == "pretrain"]
+    assert "resumed from a checkpoint: yes vs no" in pre.verdict
+
+
 def test_a_dedup_run_that_found_nothing_counts_whole_images_and_no_column_is_named_twice(home):
     import re
 

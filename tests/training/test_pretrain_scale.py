@@ -96,9 +96,11 @@ def test_step_resume_gives_the_uninterrupted_parameters(shards, tmp_path, mlflow
 
 
 def test_step_resume_on_the_device_augment_path_gives_the_uninterrupted_parameters(shards, tmp_path, mlflow_store):
-    # The crop boxes come from the same seeded per-row generator, so a resume redraws them exactly.
+    # The crop boxes, RandAugment's ops, Mixup/CutMix's draws and stochastic depth's drops come from
+    # generators keyed by the step and row, and EMA is in the checkpoint: a resume redraws them exactly.
     base = dict(data=str(shards / "corpus"), steps=6, batch_size=8, microbatch=4, checkpoint_every=2, dropout=0.1,
-                augment="device", **TINY)
+                augment="device", randaug=[2, 15], mixup=0.5, cutmix=1.0, drop_path=0.1, ema_decay=0.9,
+                **{**TINY, "depth": 2})
     whole = run_pretrain(PretrainConfig(output=str(tmp_path / "whole"), run_name="whole", **base))
     first = run_pretrain(PretrainConfig(output=str(tmp_path / "split"), run_name="split", stop_after=3, **base))
     assert first["steps"] == 3
