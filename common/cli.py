@@ -82,6 +82,28 @@ def _command(prog: str, argv: Sequence[str] | None) -> str:
     return shlex.join(["python", *(sys.argv if argv is None else [f"jobs/{prog}.py", *argv])])
 
 
+#: What Ray raises when its local node (GCS and raylet) does not come up within its start-up timeout.
+RAY_START_TIMEOUT = "timed out during startup"
+
+
+def _ray_start_timed_out(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if RAY_START_TIMEOUT in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def ray_start_line() -> str:
+    """Ray's local node did not start in time: what the machine's load was, and that nothing ran."""
+    import os
+
+    load = os.getloadavg()[0]
+    return (f"Ray's local node did not start within its timeout (load average {load:.1f} on {os.cpu_count()} cores); "
+            "the stage had not started, and its output is as it was")
+
+
 def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None = None, *, prog: str,
             report: Callable[[Any], None] = print_json,
             failures: tuple[type[BaseException], ...] = ()) -> int:
@@ -93,7 +115,8 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
     128 + the signal with one line: what it kept and the command that resumes. A full or read-only
     disk (:mod:`common.disk`) exits 2 with one line: the path, its free space, what the stage kept
     (:class:`~common.disk.DiskFull`) and the command that resumes. ``failures`` are a job's own failed checks (counts that do
-    not reconcile, say): one line, exit 1. Anything else is a bug and keeps its traceback.
+    not reconcile, say): one line, exit 1. So does Ray's local node not starting within its timeout
+    on a busy machine. Anything else is a bug and keeps its traceback.
 
     Every entrypoint also takes ``--verbose`` and ``--progress-every SECONDS``
     (:mod:`common.progress`); without ``--verbose`` the console of a process started from
@@ -130,10 +153,14 @@ def run_job(cls: type[T], runner: Callable[[T], Any], argv: Sequence[str] | None
             return 1
         except Exception as exc:  # a full or read-only disk wherever it struck; anything else is a bug
             line = disk_line(exc)
-            if line is None:
+            if line is not None:
+                print(f"{prog}: error: {line}; then resume with: {_command(prog, argv)}", file=sys.stderr)
+                return 2
+            if not _ray_start_timed_out(exc):
                 raise
-            print(f"{prog}: error: {line}; then resume with: {_command(prog, argv)}", file=sys.stderr)
-            return 2
+            print(f"{prog}: error: {ray_start_line()}; run the same command again when the machine is less busy: "
+                  f"{_command(prog, argv)}", file=sys.stderr)
+            return 1
     if result is not None:
         report(result)
     return 0

@@ -64,6 +64,17 @@ def test_a_jobs_own_failure_is_one_line_and_exit_1_and_a_bug_keeps_its_traceback
         run_job(Cfg, runner, [], prog="job")
 
 
+def test_ray_failing_to_start_on_a_busy_machine_is_one_line_and_exit_1(capsys):
+    def runner(cfg):  # the exception ray.init raises when its GCS and raylet do not come up in time
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet "
+                        "failed to startup or the GCS has become overloaded.")
+
+    assert run_job(Cfg, runner, ["--name", "n"], prog="job") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("job: error: Ray's local node did not start within its timeout (load ")
+    assert err.endswith("run the same command again when the machine is less busy: python jobs/job.py --name n\n")
+
+
 def test_the_result_goes_to_the_report(capsys):
     seen = []
     assert run_job(Cfg, lambda cfg: {"lrs": cfg.lrs}, ["--lrs", "0.1,0.2"], prog="job", report=seen.append) == 0
