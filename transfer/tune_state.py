@@ -9,6 +9,7 @@ starts again in one line.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
 import json
@@ -27,7 +28,11 @@ GRID_STATE = "basic-variant-state-*.json"
 
 
 class _RenamedWhenClosed(io.FileIO):
-    """A file written under a temporary name beside ``path`` that becomes ``path`` on close."""
+    """A file written under a temporary name beside ``path`` that becomes ``path`` when closed.
+
+    Arrow closes it when a copy has written it all. A copy that fails partway drops it unclosed,
+    and the collector's finaliser then deletes it: the half-written file never replaces ``path``.
+    """
 
     def __init__(self, path: str) -> None:
         self._path = path
@@ -38,6 +43,13 @@ class _RenamedWhenClosed(io.FileIO):
             return
         super().close()
         os.replace(self.name, self._path)
+
+    def __del__(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.name)
 
 
 class _WholeFiles(pyarrow.fs.FSSpecHandler):

@@ -1,4 +1,5 @@
 """transfer.sweep: Tune sweeps retry failed trials, resume from any kill, and refuse changed flags."""
+import io
 import os
 import shutil
 from pathlib import Path
@@ -138,6 +139,47 @@ def test_tunes_storage_writes_a_file_whole_or_not_at_all(tmp_path):
     stream.close()
     assert target.read_text() == "new, half written" and os.listdir(tmp_path) == ["state.json"]
 
+
+
+class _ReadFails(io.RawIOBase):
+    """A source file whose reads fail after 8 bytes, as a connection reset partway through a copy."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def readable(self):
+        return True
+
+    def read(self, n=-1):
+        self.reads += 1
+        if self.reads > 2:
+            raise OSError("connection reset")
+        return b"half"
+
+
+def test_a_copy_that_fails_partway_leaves_the_old_file_and_no_debris(tmp_path):
+    import gc
+
+    import fsspec
+    import pyarrow
+    import pyarrow.fs
+
+    from transfer.tune_state import storage
+
+    class Source(pyarrow.fs.FSSpecHandler):
+        def open_input_stream(self, path):
+            return pyarrow.PythonFile(_ReadFails(), mode="r")
+
+        def get_file_info(self, paths):
+            return [pyarrow.fs.FileInfo(p, pyarrow.fs.FileType.File, size=64) for p in paths]
+
+    target = tmp_path / "state.json"
+    target.write_text("old")
+    with pytest.raises(OSError, match="connection reset"):  # as Tune uploads its state: copy_files
+        pyarrow.fs.copy_files("/state.json", str(target), chunk_size=4, destination_filesystem=storage(),
+                              source_filesystem=pyarrow.fs.PyFileSystem(Source(fsspec.filesystem("memory"))))
+    gc.collect()  # the collector's close of the dropped file must not put it in place
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["state.json"]
 
 def test_a_trial_in_a_reused_process_gives_the_metrics_of_one_in_a_fresh_process(tiny_shards, build_pretrained,
                                                                                    tmp_path, ray_session, mlflow_store):
