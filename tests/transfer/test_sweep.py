@@ -181,6 +181,53 @@ def test_a_copy_that_fails_partway_leaves_the_old_file_and_no_debris(tmp_path):
     gc.collect()  # the collector's close of the dropped file must not put it in place
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["state.json"]
 
+
+def _saved_sweep(folder, runner_data, grid_state=None):
+    """A sweep's folder as Tune saves it: one finished trial, the runner's data, the grid's pickle."""
+    import json
+
+    import ray.cloudpickle as cloudpickle
+
+    folder.mkdir()
+    trial = json.dumps({"trial_id": "a_00000", "status": "TERMINATED"})
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text(
+        json.dumps({"trial_data": [[trial, "{}"]], "runner_data": runner_data}))
+    if grid_state is not None:
+        (folder / "basic-variant-state-2026-01-01_00-00-00.json").write_bytes(cloudpickle.dumps(grid_state))
+
+
+class _Mkdir:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_resume_reads_the_experiment_state_as_json_and_runs_none_of_its_pickles(tmp_path):
+    import ray.cloudpickle as cloudpickle
+
+    from transfer.tune_state import prepare_resume
+
+    marker = tmp_path / "unpickled"
+    payload = {"_type": "CLOUDPICKLE_FALLBACK", "value": cloudpickle.dumps(_Mkdir(str(marker))).hex()}
+    _saved_sweep(tmp_path / "g", payload)
+    assert prepare_resume(tmp_path / "g", "finetune") and not marker.exists()
+
+
+def test_a_grid_state_laid_out_otherwise_is_resumed_as_saved_in_one_line(tmp_path, capsys):
+    import types
+
+    from transfer.tune_state import prepare_resume
+
+    _saved_sweep(tmp_path / "g", {}, {"_iterators": [types.SimpleNamespace(counter=0)]})  # another Ray's grid
+    [grid] = (tmp_path / "g").glob("basic-variant-state-*")
+    before = grid.read_bytes()
+    assert prepare_resume(tmp_path / "g", "finetune") and grid.read_bytes() == before
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"finetune g: cannot adjust the grid's saved position in {grid.name}, laid out as this "
+                           "code does not know (AttributeError: ") and line.endswith("resuming it as Tune saved it")
+
 def test_a_trial_in_a_reused_process_gives_the_metrics_of_one_in_a_fresh_process(tiny_shards, build_pretrained,
                                                                                    tmp_path, ray_session, mlflow_store):
     # A sweep runs a trial in the process of a finished one: two trials with the same config, one
