@@ -228,6 +228,46 @@ def test_a_grid_state_laid_out_otherwise_is_resumed_as_saved_in_one_line(tmp_pat
     assert line.startswith(f"finetune g: cannot adjust the grid's saved position in {grid.name}, laid out as this "
                            "code does not know (AttributeError: ") and line.endswith("resuming it as Tune saved it")
 
+
+def _trial_checkpoints(trial, n):
+    from training.checkpointer import write_record
+
+    for i in range(n):
+        folder = trial / f"checkpoint_{i:06d}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes([i]) * 64)
+        write_record(folder, ["model.safetensors"], 4)
+    return sorted(trial.iterdir())
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))  # the same size: only the sha256 can tell
+
+
+def test_a_trial_checkpoint_that_fails_its_sha256_falls_back_in_one_line_or_is_refused(tmp_path, capsys):
+    from transfer.sweep import verified_checkpoint
+
+    trial = tmp_path / "ray" / "final" / "trial_0"
+    older, newer = _trial_checkpoints(trial, 2)
+    assert verified_checkpoint(trial, "finetune") == newer
+    _flip_a_byte(newer / "model.safetensors")
+    assert verified_checkpoint(trial, "finetune") == older
+    assert capsys.readouterr().err.splitlines() == [
+        f"finetune: warning: checkpoint: {newer} does not match the sha256 its checkpoint.json records; using "
+        f"{older} instead (remove the bad folder once you have looked at it)"]
+    (older / "model.safetensors").write_bytes(b"cut")
+    with pytest.raises(ConfigError) as refused:
+        verified_checkpoint(trial, "finetune")
+    assert str(refused.value) == (
+        f"checkpoint: no checkpoint of finetune trial trial_0 matches the sizes and sha256 its checkpoint.json "
+        f"records ({newer}, {older}); remove {tmp_path / 'ray' / 'final'} and re-run the same command to run that "
+        "sweep's trials again")
+    for folder in (older, newer):
+        (folder / "checkpoint.json").unlink()
+    assert verified_checkpoint(trial, "finetune") is None  # written before records: Tune's pick stands
+
 def test_a_trial_in_a_reused_process_gives_the_metrics_of_one_in_a_fresh_process(tiny_shards, build_pretrained,
                                                                                    tmp_path, ray_session, mlflow_store):
     # A sweep runs a trial in the process of a finished one: two trials with the same config, one
