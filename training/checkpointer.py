@@ -59,6 +59,15 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def write_record(folder: Path, names: Iterable[str], step: int, **extra: Any) -> None:
+    """The record of the checkpoint in ``folder``: its ``step``, and the size and sha256 of each
+    file in ``names``, with ``extra`` fields; written last, so a record means a whole folder."""
+    names = list(names)
+    files = {name: (folder / name).stat().st_size for name in names}
+    digests = {name: sha256_of(folder / name) for name in names}
+    (folder / RECORD).write_text(json.dumps({"step": step, "files": files, "sha256": digests, **extra}, default=str))
+
+
 def corrupt_file(folder: Path, record: dict) -> str | None:
     """The first file of a complete checkpoint whose bytes differ from the sha256 its record holds
     (a disk or copy error the size check cannot see); None when all match, or the record, written
@@ -266,10 +275,7 @@ class Checkpointer:
                 vitcore.save_checkpoint(trainer.published_model(state), Path(d) / MODEL_FILE,
                                         extra_metadata=label_metadata(trainer.label_names))
                 names = (TRAIN_STATE, MODEL_FILE, *trainer.best.save_model(Path(d), trainer.label_names))
-                files = {name: (Path(d) / name).stat().st_size for name in names}
-                digests = {name: sha256_of(Path(d) / name) for name in names}
-                (Path(d) / RECORD).write_text(json.dumps({"step": trainer.step, "files": files, "sha256": digests,
-                                                          "cfg": dataclasses.asdict(self.cfg)}, default=str))
+                write_record(Path(d), names, trainer.step, cfg=dataclasses.asdict(self.cfg))
                 checkpoint = ray.train.Checkpoint.from_directory(d)
             ray.train.report({**metrics, "data_epoch": position.epoch, "data_offset": position.offset,
                               "rows_seen": seen[0], "rows_sum": seen[1], "rows_sumsq": seen[2]}, checkpoint=checkpoint)

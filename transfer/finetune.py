@@ -37,9 +37,9 @@ from common.jobenv import durable_path
 from common.locks import FolderLock, check_owner, claim_folder
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
 from training import run_artifacts
-from training.ray_utils import copy_final_model, init_ray
+from training.ray_utils import init_ray
 from transfer.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
-from transfer.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from transfer.sweep import copy_trial_model, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 # Appendix B.1.1: the development sub-split per dataset, matched against --dataset or the
@@ -244,7 +244,7 @@ def _final(cfg: FinetuneConfig, common: dict, output: Path, lr: float) -> tuple[
     result = final[0]
     if result.error or not result.metrics or "test_accuracy" not in result.metrics:
         raise RuntimeError(f"the final fine-tune at lr={lr:g} on all of train failed: {result.error}")
-    return result, copy_final_model(result, output)
+    return result, copy_trial_model(result, output, "finetune")
 
 
 def _publish(summary: dict, name: str, output: Path, run, label_names) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from common import progress, tracking
 from common.cli import Interrupted, interrupts
 from common.config import ConfigError, changed_fields
-from common.fs import atomic_write
+from common.fs import atomic_open, atomic_write
 from transfer import tune_state
 
 LEGACY_STATE_FILE = "sweep_state.json"  # both stages' state, before it was per stage
@@ -95,15 +96,58 @@ def _env(name: str, value: str | None):
 
 def report_final(metrics: dict, model, label_names: list[str] | None = None) -> None:
     """Report a trial's last result to Tune with its model as the checkpoint; the model file's
-    metadata names its classes, in head order, beside the config."""
+    metadata names its classes, in head order, beside the config. The checkpoint's record holds
+    the file's sha256 (:func:`copy_trial_model` checks it)."""
     from ray import tune
 
     import vitcore
+    from training.checkpointer import write_record
     from vitcore.checkpoint import MODEL_FILE, label_metadata
 
     with tempfile.TemporaryDirectory() as d:
         vitcore.save_checkpoint(model, Path(d) / MODEL_FILE, extra_metadata=label_metadata(label_names))
+        write_record(Path(d), [MODEL_FILE], int(metrics.get("step", 0)))
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(d))
+
+
+def verified_checkpoint(trial_dir: Path, prog: str) -> Path | None:
+    """The newest checkpoint folder of a finished trial whose files have the sizes and sha256 its
+    ``checkpoint.json`` records; None when its checkpoints predate records.
+
+    A newer folder that does not match is named in one line, and the next one is used; when none
+    matches, the stage is refused in one line naming them and the fix.
+    """
+    from training.checkpointer import RECORD, corrupt_file, read_record
+
+    bad = []
+    for folder in sorted((p for p in trial_dir.glob("checkpoint_*") if (p / RECORD).is_file()), reverse=True):
+        record = read_record(folder)
+        if record is not None and corrupt_file(folder, record) is None:
+            if bad:
+                print(f"{prog}: warning: checkpoint: {', '.join(map(str, bad))} does not match the sha256 its "
+                      f"checkpoint.json records; using {folder} instead (remove the bad folder once you have "
+                      "looked at it)", file=progress.console()[0], flush=True)
+            return folder
+        bad.append(folder)
+    if bad:
+        raise ConfigError(f"checkpoint: no checkpoint of {prog} trial {trial_dir.name} matches the sizes and sha256 "
+                          f"its checkpoint.json records ({', '.join(map(str, bad))}); remove {trial_dir.parent} "
+                          "and re-run the same command to run that sweep's trials again")
+    return None
+
+
+def copy_trial_model(result, output: Path, prog: str) -> Path:
+    """Copy the model of a finished trial (:func:`report_final`) into ``output`` from its newest
+    checkpoint that matches its record (:func:`verified_checkpoint`); returns its path there."""
+    from training.ray_utils import copy_final_model
+    from vitcore.checkpoint import MODEL_FILE
+
+    folder = verified_checkpoint(Path(result.path), prog)
+    if folder is None:  # a trial that finished before checkpoints carried records
+        return copy_final_model(result, output)
+    with open(folder / MODEL_FILE, "rb") as src, atomic_open(output / MODEL_FILE) as dst:
+        shutil.copyfileobj(src, dst)
+    return output / MODEL_FILE
 
 
 # Tuner.restore reloads these from the sweep's own record, so a resume cannot change them.

@@ -9,6 +9,7 @@ starts again in one line.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import io
 import json
@@ -27,7 +28,11 @@ GRID_STATE = "basic-variant-state-*.json"
 
 
 class _RenamedWhenClosed(io.FileIO):
-    """A file written under a temporary name beside ``path`` that becomes ``path`` on close."""
+    """A file written under a temporary name beside ``path`` that becomes ``path`` when closed.
+
+    Arrow closes it when a copy has written it all. A copy that fails partway drops it unclosed,
+    and the collector's finaliser then deletes it: the half-written file never replaces ``path``.
+    """
 
     def __init__(self, path: str) -> None:
         self._path = path
@@ -38,6 +43,13 @@ class _RenamedWhenClosed(io.FileIO):
             return
         super().close()
         os.replace(self.name, self._path)
+
+    def __del__(self) -> None:
+        if self.closed:
+            return
+        super().close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.name)
 
 
 class _WholeFiles(pyarrow.fs.FSSpecHandler):
@@ -52,11 +64,21 @@ def storage() -> pyarrow.fs.FileSystem:
     return pyarrow.fs.PyFileSystem(_WholeFiles(fsspec.filesystem("file")))
 
 
-def _load(path: str):
-    from ray.tune.utils.serialization import _loads_with_cloudpickle
+def _read_state(experiment: str, grid: str | None) -> tuple[list[dict], object]:
+    """The trials the experiment state records, and the grid's saved state (None without one).
 
-    with open(path, "rb") as f:
-        return _loads_with_cloudpickle(f.read())
+    The experiment state is read as plain JSON: what Tune could only pickle into it stays an
+    undecoded value, as only the trials' ids and statuses are read. The grid's state is a pickle
+    by Tune's own design, which Tune's restore loads as well.
+    """
+    import ray.cloudpickle as cloudpickle
+
+    with open(experiment, "rb") as f:
+        trials = [_trial_json(t) for t in json.load(f)["trial_data"]]
+    if grid is None:
+        return trials, None
+    with open(grid, "rb") as f:
+        return trials, cloudpickle.load(f)
 
 
 def _newest(folder: Path, pattern: str) -> str | None:
@@ -69,27 +91,34 @@ def prepare_resume(folder: Path, prog: str) -> bool:
 
     Leftover temporary files are removed. An unreadable state moves the folder aside (its trials
     run again) and returns False, after one line on the console. A grid whose saved position
-    differs from the trials the experiment state records is set to that number of trials.
+    differs from the trials the experiment state records is set to that number of trials; one
+    laid out in a way this code does not know is left as Tune saved it, after one line.
     """
     import ray.cloudpickle as cloudpickle
-    from ray.tune.utils.util import _load_newest_checkpoint
 
     for leftover in folder.glob(f"*{TMP_MARKER}*"):
         leftover.unlink(missing_ok=True)
     experiment, grid = _newest(folder, EXPERIMENT_STATE), _newest(folder, GRID_STATE)
     if experiment is None:
         return True  # nothing of ours to check: Tune says what it makes of the folder
+    out = progress.console()[0]
     try:
-        trials = [_trial_json(t) for t in _load(experiment)["trial_data"]]
-        state = _load_newest_checkpoint(str(folder), GRID_STATE)  # Tune's loader, as its restore
+        trials, state = _read_state(experiment, grid)
     except Exception as exc:  # cut short, or not Tune's: anything that stops Tune restoring it
         aside = folder.with_name(f"{folder.name}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
         os.replace(folder, aside)
         print(f"{prog} {folder.name}: the sweep's saved state in {folder} cannot be read "
               f"({type(exc).__name__}); moved it to {aside.name} and running every trial again",
-              file=progress.console()[0], flush=True)
+              file=out, flush=True)
         return False
-    if state and _set_grid_position(state, trials):
+    try:
+        changed = bool(state) and _set_grid_position(state, trials)
+    except (ImportError, AttributeError, TypeError, KeyError, ValueError) as exc:  # another Ray's layout
+        print(f"{prog} {folder.name}: cannot adjust the grid's saved position in {Path(grid).name}, "
+              f"laid out as this code does not know ({type(exc).__name__}: {exc}); resuming it as Tune "
+              "saved it", file=out, flush=True)
+        return True
+    if changed:
         atomic_write(grid, cloudpickle.dumps(state))
     return True
 
@@ -105,7 +134,8 @@ def _set_grid_position(state: dict, trials: list[dict]) -> bool:
     Only a plain grid is touched: one experiment, one sample, no preset points, variants listed
     eagerly. Its variants are generated again (a grid's order is fixed) and the first
     ``len(trials)`` skipped; the trials still to finish are the ones it counts as live, which is
-    what holds ``max_concurrent``. Returns whether anything changed.
+    what holds ``max_concurrent``. Returns whether anything changed; raises ImportError,
+    AttributeError, TypeError or KeyError on a Ray that lays the grid out otherwise.
     """
     from ray.tune.search.basic_variant import _VariantIterator
     from ray.tune.search.variant_generator import generate_variants

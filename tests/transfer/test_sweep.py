@@ -1,4 +1,5 @@
 """transfer.sweep: Tune sweeps retry failed trials, resume from any kill, and refuse changed flags."""
+import io
 import os
 import shutil
 from pathlib import Path
@@ -138,6 +139,134 @@ def test_tunes_storage_writes_a_file_whole_or_not_at_all(tmp_path):
     stream.close()
     assert target.read_text() == "new, half written" and os.listdir(tmp_path) == ["state.json"]
 
+
+
+class _ReadFails(io.RawIOBase):
+    """A source file whose reads fail after 8 bytes, as a connection reset partway through a copy."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def readable(self):
+        return True
+
+    def read(self, n=-1):
+        self.reads += 1
+        if self.reads > 2:
+            raise OSError("connection reset")
+        return b"half"
+
+
+def test_a_copy_that_fails_partway_leaves_the_old_file_and_no_debris(tmp_path):
+    import gc
+
+    import fsspec
+    import pyarrow
+    import pyarrow.fs
+
+    from transfer.tune_state import storage
+
+    class Source(pyarrow.fs.FSSpecHandler):
+        def open_input_stream(self, path):
+            return pyarrow.PythonFile(_ReadFails(), mode="r")
+
+        def get_file_info(self, paths):
+            return [pyarrow.fs.FileInfo(p, pyarrow.fs.FileType.File, size=64) for p in paths]
+
+    target = tmp_path / "state.json"
+    target.write_text("old")
+    with pytest.raises(OSError, match="connection reset"):  # as Tune uploads its state: copy_files
+        pyarrow.fs.copy_files("/state.json", str(target), chunk_size=4, destination_filesystem=storage(),
+                              source_filesystem=pyarrow.fs.PyFileSystem(Source(fsspec.filesystem("memory"))))
+    gc.collect()  # the collector's close of the dropped file must not put it in place
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["state.json"]
+
+
+def _saved_sweep(folder, runner_data, grid_state=None):
+    """A sweep's folder as Tune saves it: one finished trial, the runner's data, the grid's pickle."""
+    import json
+
+    import ray.cloudpickle as cloudpickle
+
+    folder.mkdir()
+    trial = json.dumps({"trial_id": "a_00000", "status": "TERMINATED"})
+    (folder / "experiment_state-2026-01-01_00-00-00.json").write_text(
+        json.dumps({"trial_data": [[trial, "{}"]], "runner_data": runner_data}))
+    if grid_state is not None:
+        (folder / "basic-variant-state-2026-01-01_00-00-00.json").write_bytes(cloudpickle.dumps(grid_state))
+
+
+class _Mkdir:
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_resume_reads_the_experiment_state_as_json_and_runs_none_of_its_pickles(tmp_path):
+    import ray.cloudpickle as cloudpickle
+
+    from transfer.tune_state import prepare_resume
+
+    marker = tmp_path / "unpickled"
+    payload = {"_type": "CLOUDPICKLE_FALLBACK", "value": cloudpickle.dumps(_Mkdir(str(marker))).hex()}
+    _saved_sweep(tmp_path / "g", payload)
+    assert prepare_resume(tmp_path / "g", "finetune") and not marker.exists()
+
+
+def test_a_grid_state_laid_out_otherwise_is_resumed_as_saved_in_one_line(tmp_path, capsys):
+    import types
+
+    from transfer.tune_state import prepare_resume
+
+    _saved_sweep(tmp_path / "g", {}, {"_iterators": [types.SimpleNamespace(counter=0)]})  # another Ray's grid
+    [grid] = (tmp_path / "g").glob("basic-variant-state-*")
+    before = grid.read_bytes()
+    assert prepare_resume(tmp_path / "g", "finetune") and grid.read_bytes() == before
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"finetune g: cannot adjust the grid's saved position in {grid.name}, laid out as this "
+                           "code does not know (AttributeError: ") and line.endswith("resuming it as Tune saved it")
+
+
+def _trial_checkpoints(trial, n):
+    from training.checkpointer import write_record
+
+    for i in range(n):
+        folder = trial / f"checkpoint_{i:06d}"
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(bytes([i]) * 64)
+        write_record(folder, ["model.safetensors"], 4)
+    return sorted(trial.iterdir())
+
+
+def _flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[10] ^= 0xFF
+    path.write_bytes(bytes(data))  # the same size: only the sha256 can tell
+
+
+def test_a_trial_checkpoint_that_fails_its_sha256_falls_back_in_one_line_or_is_refused(tmp_path, capsys):
+    from transfer.sweep import verified_checkpoint
+
+    trial = tmp_path / "ray" / "final" / "trial_0"
+    older, newer = _trial_checkpoints(trial, 2)
+    assert verified_checkpoint(trial, "finetune") == newer
+    _flip_a_byte(newer / "model.safetensors")
+    assert verified_checkpoint(trial, "finetune") == older
+    assert capsys.readouterr().err.splitlines() == [
+        f"finetune: warning: checkpoint: {newer} does not match the sha256 its checkpoint.json records; using "
+        f"{older} instead (remove the bad folder once you have looked at it)"]
+    (older / "model.safetensors").write_bytes(b"cut")
+    with pytest.raises(ConfigError) as refused:
+        verified_checkpoint(trial, "finetune")
+    assert str(refused.value) == (
+        f"checkpoint: no checkpoint of finetune trial trial_0 matches the sizes and sha256 its checkpoint.json "
+        f"records ({newer}, {older}); remove {tmp_path / 'ray' / 'final'} and re-run the same command to run that "
+        "sweep's trials again")
+    for folder in (older, newer):
+        (folder / "checkpoint.json").unlink()
+    assert verified_checkpoint(trial, "finetune") is None  # written before records: Tune's pick stands
 
 def test_a_trial_in_a_reused_process_gives_the_metrics_of_one_in_a_fresh_process(tiny_shards, build_pretrained,
                                                                                    tmp_path, ray_session, mlflow_store):
