@@ -487,9 +487,10 @@ def read_run_record(output: Path) -> dict:
 
 def data_digests(cfg: PretrainConfig) -> dict[str, dict]:
     """The sha256 of each shard set's manifest, by flag: a resume checks the run's data is the same."""
-    sets = {"data": cfg.data, "fewshot_data": cfg.fewshot_data}
-    return {name: {"url": str(path), "manifest_sha256": file_sha256(Path(path).expanduser() / MANIFEST)}
-            for name, path in sets.items() if path}
+    sets = {name: Path(path).expanduser() / MANIFEST for name, path in (("data", cfg.data),
+                                                                        ("fewshot_data", cfg.fewshot_data)) if path}
+    return {name: {"url": str(manifest.parent), "manifest_sha256": file_sha256(manifest)}
+            for name, manifest in sets.items() if manifest.is_file()}
 
 
 def _record_run(output: Path, cfg: PretrainConfig, mlflow_run_id: str | None) -> None:

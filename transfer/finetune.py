@@ -39,7 +39,7 @@ from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_se
 from training import run_artifacts
 from training.ray_utils import copy_final_model, init_ray
 from transfer.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
-from transfer.sweep import data_digests, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from transfer.sweep import manifest_digests, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 # Appendix B.1.1: the development sub-split per dataset, matched against --dataset or the
@@ -304,7 +304,7 @@ def _run_sweeps(cfg: FinetuneConfig, output: Path, uri: str, train_set: ShardSet
     config = dataclasses.asdict(cfg)
     train_record = shard_set_record(cfg.train, role="training")
     records = [train_record, shard_set_record(cfg.test, role="evaluation")]
-    data = data_digests({"train": records[0], "test": records[1]})
+    data = manifest_digests({"train": records[0], "test": records[1]})
     # Where Ray runs and how many trials at once do not change the sweep's results.
     state = open_sweep_state(output, config, stage="finetune", fresh_keys=not_recipe(cfg), data=data,
                              data_changed_ok=cfg.data_changed_ok)

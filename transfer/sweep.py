@@ -134,7 +134,7 @@ def open_sweep_state(output: Path, config: Mapping[str, Any], *, stage: str, fre
                      data: Mapping[str, dict] | None = None, data_changed_ok: bool = False) -> dict | None:
     """The state of an interrupted ``stage`` sweep in ``output`` (its MLflow run), or None for a new one.
 
-    Resuming with a different configuration, or on shard sets (``data``, :func:`data_digests`)
+    Resuming with a different configuration, or on shard sets (``data``, :func:`manifest_digests`)
     replaced since the sweep started, would mix trials of two sweeps; that is refused.
     """
     path = _state_path(output, stage)
@@ -154,7 +154,7 @@ def open_sweep_state(output: Path, config: Mapping[str, Any], *, stage: str, fre
     return state
 
 
-def data_digests(records: Mapping[str, dict]) -> dict[str, dict]:
+def manifest_digests(records: Mapping[str, dict]) -> dict[str, dict]:
     """The sha256 of each shard set's manifest, by name, from its record (``shard_set_record``)."""
     return {name: {"url": r["url"], "manifest_sha256": r["manifest_sha256"]} for name, r in records.items()}
 
@@ -184,7 +184,7 @@ def sweep_run(stage: str, output: Path, config: Mapping[str, Any], state: dict |
               **options) -> Iterator:
     """The sweep's MLflow run: the interrupted sweep's run reopened when ``state`` names one, else
     a new run started with ``new`` (and its shard-set inputs logged). ``options`` go to both;
-    ``data`` (:func:`data_digests`) is recorded in the state, for a resume to check."""
+    ``data`` (:func:`manifest_digests`) is recorded in the state, for a resume to check."""
     if state:
         ctx = tracking.start_run(stage, run_id=state["mlflow_run_id"], **options)
     else:

@@ -29,7 +29,7 @@ from common.jobenv import durable_path
 from common.locks import FolderLock, check_owner, claim_folder, reading
 from training.ray_utils import init_ray
 from transfer.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
-from transfer.sweep import data_digests, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from transfer.sweep import manifest_digests, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
 from transfer.vtab_data import resolve_tasks, split_dirs, task_records
 from transfer.vtab_tasks import GROUPS
 
@@ -261,7 +261,7 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
 def _run_sweeps(cfg: VtabConfig, output: Path, tasks: dict[str, dict]) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
     records, main = task_records(tasks)
-    data = data_digests({r["name"]: r for r in records})
+    data = manifest_digests({r["name"]: r for r in records})
     state = open_sweep_state(output, config, stage="vtab", fresh_keys=not_recipe(cfg), data=data,
                              data_changed_ok=cfg.data_changed_ok)
     init_ray(cfg.ray_address)

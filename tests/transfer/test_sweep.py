@@ -154,10 +154,10 @@ def test_a_trial_in_a_reused_process_gives_the_metrics_of_one_in_a_fresh_process
 
 
 def test_a_sweep_resumed_on_a_replaced_split_is_refused_unless_data_changed_ok(tmp_path, capsys):
-    from transfer.sweep import data_digests
+    from transfer.sweep import manifest_digests
 
     config = {"lrs": [0.01], "steps": 5}
-    started = data_digests({"train": {"url": "/sets/train", "manifest_sha256": "1" * 64, "num_rows": 9}})
+    started = manifest_digests({"train": {"url": "/sets/train", "manifest_sha256": "1" * 64, "num_rows": 9}})
     replaced = {"train": {**started["train"], "manifest_sha256": "2" * 64}}
     save_sweep_state(tmp_path, config, "run-1", stage="finetune", data=started)
     assert open_sweep_state(tmp_path, config, stage="finetune", data=started)["mlflow_run_id"] == "run-1"
