@@ -15,7 +15,7 @@ from PIL import Image
 from common import tracking
 from common.config import check
 from common.jobenv import durable_path
-from common.locks import FolderLock
+from common.locks import DataLock, FolderLock
 from dedup.rescan import rescan
 from neardup.index import IndexOutdated, TestSetIndex
 from neardup.report import pick_for_audit, write_report
@@ -107,7 +107,9 @@ def run(cfg: DedupConfig) -> dict:
     record = shard_set_record(shard_dir, role="checked")
     name = f"dedup {record['name']} vs {', '.join(sources) or 'saved test sets'}"
     # removed.jsonl, the index and the report go into the shard set: one writer at a time, dedup or prepare.
-    with FolderLock(str(shard_dir), "prepare", writer="dedup"):
+    # A run that reads the set would train on rows removed under it: refused while one does.
+    with FolderLock(str(shard_dir), "prepare", writer="dedup"), \
+            DataLock(shard_dir, "dedup", exclusive=True, field_name="shards"):
         with tracking.start_run("dedup", params=params, parent_run_id=cfg.parent_run_id, run_name=name,
                                 tags=tracking.run_tags(cfg, data=[record])) as run_:
             tracking.log_shard_inputs([record])

@@ -7,6 +7,8 @@
   old manifest and shards stay until :meth:`OutputFolder.swap` replaces them at the end, with
   SIGINT and SIGTERM held back. A run killed harder during the swap leaves no manifest (a clear
   refusal), never an old manifest over new shards.
+- **Not under a reader.** The run holds the set's readers' lock alone (:class:`common.locks.DataLock`):
+  while a pretrain, finetune, vtab or fewshot run reads the set, prepare is refused in one line naming it.
 - **A set of other inputs is replaced only with ``--overwrite``,** and a replaced set takes its
   dedup files (``removed.jsonl``, ``dedup_state.json``, ``dedup_index/``, ``dedup_report/``) with
   it: they describe shards that are gone.
@@ -22,7 +24,7 @@ from typing import Iterator, Sequence
 
 from common.config import InputError
 from common.fs import atomic_write, is_local, read_json_object, url_to_fs
-from common.locks import FolderLock, check_owner, lock_name
+from common.locks import DataLock, FolderLock, check_owner, lock_name
 from pipelines import schema
 
 LOCK = lock_name("prepare")
@@ -75,6 +77,7 @@ class OutputFolder:
         self.fs, self.root = url_to_fs(url)
         self.sources, self.overwrite = list(sources), overwrite
         self._lock = FolderLock(self.output, "prepare")
+        self._readers = DataLock(self.root, "prepare", exclusive=True, field_name="output")
         #: SIGINT or SIGTERM that came during :meth:`swap`, for the run to stop on after its clean-up.
         self.held_signal: int | None = None
 
@@ -84,12 +87,14 @@ class OutputFolder:
         self._lock.acquire()
         try:
             self._check_replaceable()
+            self._readers.acquire()  # a set a run reads is never replaced under it
         except BaseException:
             self._lock.release()
             raise
         return self
 
     def __exit__(self, *exc) -> None:
+        self._readers.release()
         self._lock.release()
 
     def old_manifest(self) -> dict | None:

@@ -1,11 +1,13 @@
 """Fixtures shared across the suite: one Ray instance for the whole session, a throwaway MLflow store."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,34 @@ def tcp_listeners():
 def loopback_addresses():
     """What a loopback listener shows as: IPv4, IPv6, and IPv4 on a dual-stack socket."""
     return LOOPBACK
+
+
+# A reader of a shard set in a process of its own: it takes the set's readers' lock, says so, and
+# holds it until its stdin closes.
+_HOLD_READERS_LOCK = ("import sys; from common.locks import DataLock; "
+                      "lock = DataLock(sys.argv[1], sys.argv[2]); assert lock.acquire(); print('held', flush=True); "
+                      "sys.stdin.read(); lock.release()")
+
+
+@contextlib.contextmanager
+def _reader_process(folder, stage: str = "pretrain"):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_READERS_LOCK, str(folder), stage], cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.stdin.close()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def reader_process():
+    """``with reader_process(folder, stage) as proc:`` -> another process (``proc.pid``) that holds the
+    shard set ``folder``'s readers' lock, as a ``stage`` run reading it does, until the block ends."""
+    return _reader_process
 
 
 @pytest.fixture(scope="session")

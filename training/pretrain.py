@@ -36,7 +36,7 @@ from common.config import ConfigError, check
 from common.disk import DiskFull, disk_line
 from common.fs import atomic_write, make_output_dir, url_to_fs
 from common.jobenv import durable_path, is_url
-from common.locks import FolderLock, check_owner, claim_folder
+from common.locks import FolderLock, check_owner, check_same_data, claim_folder, reading
 from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progress_every
 from common.tracking_queue import SPOOL_DIR
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
@@ -123,6 +123,8 @@ class PretrainConfig:
                                                                                 "already in --output (which resumes), else a new one"})
     overwrite: bool = field(default=False, metadata={"recipe": False, "help": "start again over the run in --output "
                                                                             "(its checkpoints and outputs go) instead of resuming it"})
+    data_changed_ok: bool = field(default=False, metadata={"recipe": False, "help": "resume the run in --output even "
+                                                                                  "though a shard set it reads was replaced since it started"})
     parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
     resources_per_worker: dict[str, float] | None = field(default=None, metadata={"recipe": False, "help": "extra Ray resources per worker as JSON, e.g. '{\"node_slot\": 1}' to place one worker per node"})
 
@@ -372,6 +374,12 @@ def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) ->
 def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
     trained and the worker-group restarts."""
+    # The sets it reads stay as they are for the run: a prepare replacing one, or a dedup, is refused.
+    with reading("pretrain", {"data": cfg.data, "fewshot_data": cfg.fewshot_data}):
+        return _run_pretrain(cfg)
+
+
+def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     from training.ray_utils import init_ray
 
     cfg, shards, uri, (steps_per_epoch, total_steps, train_rows) = _prepare(cfg)
@@ -455,8 +463,11 @@ def _claim(cfg: PretrainConfig, storage: tuple[str, Any]) -> tuple[PretrainConfi
     from training.ray_utils import check_resume_snapshot
 
     output = make_output_dir(Path(cfg.output))
-    before = _recorded(output)
+    before = read_run_record(output)
     cfg = _claim_output(cfg, storage)
+    if before.get("run_name") == cfg.run_name and not cfg.overwrite:
+        check_same_data(before.get("data"), data_digests(cfg), stage="pretrain", what="run", changed_ok=cfg.data_changed_ok,
+                        fix=f"pass --overwrite to start run {cfg.run_name!r} again on it")
     mlflow_run_id = before.get("mlflow_run_id") if before.get("run_name") == cfg.run_name else None
     if before.get("mlflow_run_id") and not mlflow_run_id:
         _close_dead_run(before["mlflow_run_id"])  # --overwrite: the replaced run's process is gone (FolderLock)
@@ -466,7 +477,7 @@ def _claim(cfg: PretrainConfig, storage: tuple[str, Any]) -> tuple[PretrainConfi
     return cfg, resume, output, _unfinished(mlflow_run_id)
 
 
-def _recorded(output: Path) -> dict:
+def read_run_record(output: Path) -> dict:
     try:
         record = json.loads((output / RUN_RECORD).read_text())
     except (OSError, ValueError):
@@ -474,8 +485,16 @@ def _recorded(output: Path) -> dict:
     return record if isinstance(record, dict) else {}
 
 
+def data_digests(cfg: PretrainConfig) -> dict[str, dict]:
+    """The sha256 of each shard set's manifest, by flag: a resume checks the run's data is the same."""
+    sets = {name: Path(path).expanduser() / MANIFEST for name, path in (("data", cfg.data),
+                                                                        ("fewshot_data", cfg.fewshot_data)) if path}
+    return {name: {"url": str(manifest.parent), "manifest_sha256": file_sha256(manifest)}
+            for name, manifest in sets.items() if manifest.is_file()}
+
+
 def _record_run(output: Path, cfg: PretrainConfig, mlflow_run_id: str | None) -> None:
-    record = {"run_name": cfg.run_name, "config": dataclasses.asdict(cfg)}
+    record = {"run_name": cfg.run_name, "config": dataclasses.asdict(cfg), "data": data_digests(cfg)}
     if mlflow_run_id:
         record["mlflow_run_id"] = mlflow_run_id
     atomic_write(output / RUN_RECORD, json.dumps(record, indent=2, default=str))

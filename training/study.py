@@ -20,9 +20,9 @@ from typing import Any, Literal
 from common import tracking
 from common.config import ConfigError, check, from_dict, load_file
 from common.fs import atomic_write, make_output_dir
-from common.locks import FolderLock, check_owner, claim_folder
+from common.locks import FolderLock, check_owner, check_same_data, claim_folder, reading
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
-from training.pretrain import SUMMARY, PretrainConfig, run_pretrain
+from training.pretrain import SUMMARY, PretrainConfig, data_digests, read_run_record, run_pretrain
 
 STUDY_RECORD = "study.json"
 # A recipe's ViT size overrides (a tiny ViT for a small study); a BiT ResNet's size is in its name.
@@ -46,6 +46,8 @@ class StudyConfig:
     batch_size: int | None = field(default=None, metadata={"help": "override the recipe's global batch for every cell"})
     img_size: int | None = field(default=None, metadata={"help": "override the recipe's resolution for every cell"})
     fewshot_every: int = field(default=100, metadata={"help": "few-shot scoring interval in steps, in every cell"})
+    data_changed_ok: bool = field(default=False, metadata={"recipe": False, "help": "go on with the study even though "
+                                                                                  "a shard set it reads was replaced since its cells started"})
 
     def __post_init__(self) -> None:
         # Variant names hold no commas: "--models Ti/16,BiT-R50x1" is a list (the runner keeps commas in strings).
@@ -75,7 +77,7 @@ def cell_configs(cfg: StudyConfig) -> list[PretrainConfig]:
     from vitcore.variants import is_bit_variant
 
     recipe = load_file(cfg.recipe) if cfg.recipe else {}
-    for name in ("data", "output", "variant", "fraction", "fewshot_data", "fewshot_every", "run_name"):
+    for name in ("data", "output", "variant", "fraction", "fewshot_data", "fewshot_every", "run_name", "data_changed_ok"):
         recipe.pop(name, None)
     if cfg.budget == "steps":
         length = {"steps": cfg.steps}
@@ -87,7 +89,7 @@ def cell_configs(cfg: StudyConfig) -> list[PretrainConfig]:
         for fraction in cfg.fractions:
             sized = {k: v for k, v in recipe.items() if not (is_bit_variant(model) and k in VIT_SIZE)}
             values = {**sized, **overrides, **length, "data": cfg.data, "variant": model, "fraction": fraction, "fewshot_data": cfg.fewshot_data,
-                      "fewshot_every": cfg.fewshot_every,
+                      "fewshot_every": cfg.fewshot_every, "data_changed_ok": cfg.data_changed_ok,
                       "output": str(Path(cfg.output) / "cells" / cell_name(model, fraction))}
             cells.append(from_dict(PretrainConfig, values, source=cfg.recipe or "study"))
     return cells
@@ -127,7 +129,9 @@ def run_study(cfg: StudyConfig) -> dict[str, Any]:
     _check_inputs(cfg)
     output = Path(cfg.output).expanduser().resolve()
     check_owner(output, "study")
-    with FolderLock(make_output_dir(output), "study"):
+    # Every cell reads the same sets: none is replaced between cells.
+    with reading("study", {"data": cfg.data, "fewshot_data": cfg.fewshot_data}), \
+            FolderLock(make_output_dir(output), "study"):
         claim_folder(output, "study")
         with _parent_run(cfg, output) as parent:
             rows = []
@@ -142,7 +146,9 @@ def run_study(cfg: StudyConfig) -> dict[str, Any]:
 
 def _run_cell(cell: PretrainConfig, parent_run_id: str, position: str) -> dict[str, Any]:
     done = Path(cell.output) / SUMMARY
-    if done.is_file():
+    if done.is_file():  # its table row stands only for the data the other cells read
+        check_same_data(read_run_record(Path(cell.output)).get("data"), data_digests(cell), stage="study", what="cell",
+                        fix=f"remove {cell.output} to pre-train that cell again", changed_ok=cell.data_changed_ok)
         print(f"study: cell {position} {cell.variant} at fraction {cell.fraction:g}: finished, skipped", file=sys.stderr)
         return cell_row(cell, json.loads(done.read_text()))
     print(f"study: cell {position} {cell.variant} at fraction {cell.fraction:g}: pre-training", file=sys.stderr)

@@ -23,9 +23,10 @@ from common import tracking
 from common.config import check
 from common.fs import atomic_write
 from common.jobenv import durable_path
+from common.locks import reading
 from common.progress import ProgressLine, duration, eta_text
 from transfer.sgd import pretrained_file
-from transfer.vtab_data import resolve_tasks, task_records
+from transfer.vtab_data import resolve_tasks, split_dirs, task_records
 from transfer.vtab_tasks import GROUPS
 
 RESULTS_FILE = "fewshot_results.json"
@@ -128,12 +129,18 @@ def format_table(results: dict) -> str:
 
 
 def run_fewshot(cfg: FewshotConfig) -> dict[str, Any]:
+    path = pretrained_file(cfg.pretrained)
+    tasks = resolve_tasks(cfg.data_root, list(cfg.task))
+    # The tasks' splits stay as they are for the run: a prepare replacing one is refused.
+    with reading("fewshot", split_dirs(tasks)):
+        return _evaluate(cfg, path, tasks)
+
+
+def _evaluate(cfg: FewshotConfig, path: Path, tasks: dict[str, dict]) -> dict[str, Any]:
     import torch
 
     import vitcore
 
-    path = pretrained_file(cfg.pretrained)
-    tasks = resolve_tasks(cfg.data_root, list(cfg.task))
     device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if cfg.device == "auto" else cfg.device))
     model = vitcore.load_checkpoint(path, **({"img_size": cfg.img_size} if cfg.img_size else {})).to(device).eval()

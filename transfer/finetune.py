@@ -34,12 +34,20 @@ from common import tracking
 from common.config import ConfigError, check, not_recipe
 from common.fs import atomic_write, make_output_dir
 from common.jobenv import durable_path
-from common.locks import FolderLock, check_owner, claim_folder
+from common.locks import FolderLock, check_owner, claim_folder, reading
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
 from training import run_artifacts
 from training.ray_utils import init_ray
 from transfer.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
-from transfer.sweep import copy_trial_model, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from transfer.sweep import (
+    copy_trial_model,
+    manifest_digests,
+    open_sweep_state,
+    report_final,
+    sweep_run,
+    trial_resources,
+    tune_sweep,
+)
 
 PAPER_LR_GRID = [0.001, 0.003, 0.01, 0.03]
 # Appendix B.1.1: the development sub-split per dataset, matched against --dataset or the
@@ -90,6 +98,8 @@ class FinetuneConfig:
     seed: int = field(default=0, metadata={"help": "seed for the split, init, shuffling and augmentation"})
     ray_address: str | None = field(default=None, metadata={"recipe": False, "help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
     parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
+    data_changed_ok: bool = field(default=False, metadata={"recipe": False, "help": "resume the sweep in --output even "
+                                                                                  "though --train or --test was replaced since it started"})
 
     def __post_init__(self) -> None:
         check(len(self.lrs) > 0, "lrs", "give at least one learning rate")
@@ -292,27 +302,31 @@ def run_finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     uri = tracking.tracking_uri()  # refuses a store in Ray's uploaded copy before any trial runs
     # One sweep at a time in an output folder: two would restore the same sweep and run its trials twice.
     check_owner(output, "finetune")
-    with FolderLock(make_output_dir(output), "finetune"):
+    # The splits stay as they are for the sweep: a prepare replacing one, or a dedup, is refused.
+    with reading("finetune", {"train": cfg.train, "test": cfg.test}), FolderLock(make_output_dir(output), "finetune"):
         claim_folder(output, "finetune")
         return _run_sweeps(cfg, output, uri, train_set, dev_fraction)
 
 
 def _run_sweeps(cfg: FinetuneConfig, output: Path, uri: str, train_set: ShardSet, dev_fraction: float) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
+    train_record = shard_set_record(cfg.train, role="training")
+    records = [train_record, shard_set_record(cfg.test, role="evaluation")]
+    data = manifest_digests({"train": records[0], "test": records[1]})
     # Where Ray runs and how many trials at once do not change the sweep's results.
-    state = open_sweep_state(output, config, stage="finetune", fresh_keys=not_recipe(cfg))
+    state = open_sweep_state(output, config, stage="finetune", fresh_keys=not_recipe(cfg), data=data,
+                             data_changed_ok=cfg.data_changed_ok)
     finished = _finished(output, state)
     if finished:  # nothing to resume: the same run, model and summary stand
         return finished
     init_ray(cfg.ray_address)
 
-    train_record = shard_set_record(cfg.train, role="training")
-    records = [train_record, shard_set_record(cfg.test, role="evaluation")]
     upstream = [u for u in ([tracking.read_lineage(cfg.pretrained)] if cfg.pretrained else []) if u]
     name = run_name(cfg, train_record["name"])
     new = {"params": config, "parent_run_id": cfg.parent_run_id, "run_name": name,
            "tags": tracking.run_tags(cfg, data=records, main=[train_record], models=upstream)}
-    with sweep_run("finetune", output, config, state, records=records, new=new, log_system_metrics=True) as run:
+    with sweep_run("finetune", output, config, state, records=records, new=new, data=data,
+                   log_system_metrics=True) as run:
         common = {"cfg": config, "mlflow_parent": run.info.run_id, "mlflow_uri": uri}
         rows, failed, best = _select(cfg, common, output)
         result, model_path = _final(cfg, common, output, best["lr"])

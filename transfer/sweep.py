@@ -21,6 +21,7 @@ from common import progress, tracking
 from common.cli import Interrupted, interrupts
 from common.config import ConfigError, changed_fields
 from common.fs import atomic_open, atomic_write
+from common.locks import check_same_data
 from transfer import tune_state
 
 LEGACY_STATE_FILE = "sweep_state.json"  # both stages' state, before it was per stage
@@ -173,11 +174,12 @@ def _state_path(output: Path, stage: str) -> Path | None:
     return legacy if isinstance(config, dict) and ("train" in config) == (stage == "finetune") else None
 
 
-def open_sweep_state(output: Path, config: Mapping[str, Any], *, stage: str,
-                     fresh_keys: Iterable[str] = ()) -> dict | None:
+def open_sweep_state(output: Path, config: Mapping[str, Any], *, stage: str, fresh_keys: Iterable[str] = (),
+                     data: Mapping[str, dict] | None = None, data_changed_ok: bool = False) -> dict | None:
     """The state of an interrupted ``stage`` sweep in ``output`` (its MLflow run), or None for a new one.
 
-    Resuming with a different configuration would mix trials of two sweeps; that is refused.
+    Resuming with a different configuration, or on shard sets (``data``, :func:`manifest_digests`)
+    replaced since the sweep started, would mix trials of two sweeps; that is refused.
     """
     path = _state_path(output, stage)
     if path is None:
@@ -191,12 +193,20 @@ def open_sweep_state(output: Path, config: Mapping[str, Any], *, stage: str,
         diffs = ", ".join(f"{k}: sweep {old.get(k)!r}, now {now.get(k)!r}" for k in changed)
         raise ConfigError(f"output: {output} holds a {stage} sweep run with other flags ({diffs}); re-run with "
                           "the same flags to resume it, or pass a new --output")
+    check_same_data(state.get("data"), dict(data or {}), stage=stage, what=f"{stage} sweep",
+                    fix="pass a new --output to sweep it afresh", changed_ok=data_changed_ok)
     return state
 
 
-def save_sweep_state(output: Path, config: Mapping[str, Any], run_id: str, *, stage: str) -> None:
-    atomic_write(str(output / state_file(stage)), json.dumps({"config": dict(config), "mlflow_run_id": run_id},
-                                                             indent=2, default=str))
+def manifest_digests(records: Mapping[str, dict]) -> dict[str, dict]:
+    """The sha256 of each shard set's manifest, by name, from its record (``shard_set_record``)."""
+    return {name: {"url": r["url"], "manifest_sha256": r["manifest_sha256"]} for name, r in records.items()}
+
+
+def save_sweep_state(output: Path, config: Mapping[str, Any], run_id: str, *, stage: str,
+                     data: Mapping[str, dict] | None = None) -> None:
+    state = {"config": dict(config), "mlflow_run_id": run_id, **({"data": dict(data)} if data else {})}
+    atomic_write(str(output / state_file(stage)), json.dumps(state, indent=2, default=str))
 
 
 def close_interrupted_children(run_id: str) -> int:
@@ -214,9 +224,11 @@ def close_interrupted_children(run_id: str) -> int:
 
 @contextlib.contextmanager
 def sweep_run(stage: str, output: Path, config: Mapping[str, Any], state: dict | None, *,
-              records: list[dict], new: Mapping[str, Any], **options) -> Iterator:
+              records: list[dict], new: Mapping[str, Any], data: Mapping[str, dict] | None = None,
+              **options) -> Iterator:
     """The sweep's MLflow run: the interrupted sweep's run reopened when ``state`` names one, else
-    a new run started with ``new`` (and its shard-set inputs logged). ``options`` go to both."""
+    a new run started with ``new`` (and its shard-set inputs logged). ``options`` go to both;
+    ``data`` (:func:`manifest_digests`) is recorded in the state, for a resume to check."""
     if state:
         ctx = tracking.start_run(stage, run_id=state["mlflow_run_id"], **options)
     else:
@@ -226,7 +238,7 @@ def sweep_run(stage: str, output: Path, config: Mapping[str, Any], state: dict |
             close_interrupted_children(run.info.run_id)
         else:
             tracking.log_shard_inputs(records)
-        save_sweep_state(output, config, run.info.run_id, stage=stage)
+        save_sweep_state(output, config, run.info.run_id, stage=stage, data=data)
         try:
             yield run
         except KeyboardInterrupt as exc:

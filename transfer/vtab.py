@@ -26,11 +26,11 @@ from common import plots, tracking
 from common.config import check, not_recipe, parse_named
 from common.fs import atomic_write, make_output_dir
 from common.jobenv import durable_path
-from common.locks import FolderLock, check_owner, claim_folder
+from common.locks import FolderLock, check_owner, claim_folder, reading
 from training.ray_utils import init_ray
 from transfer.sgd import TrainSpec, check_batching, load_backbone, pretrained_file, start_trial, train_sgd
-from transfer.sweep import open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
-from transfer.vtab_data import resolve_tasks, task_records
+from transfer.sweep import manifest_digests, open_sweep_state, report_final, sweep_run, trial_resources, tune_sweep
+from transfer.vtab_data import resolve_tasks, split_dirs, task_records
 from transfer.vtab_tasks import GROUPS
 
 RESULTS_FILE = "vtab_results.json"
@@ -68,6 +68,8 @@ class VtabConfig:
     seed: int = field(default=0, metadata={"help": "seed for init, shuffling and augmentation"})
     ray_address: str | None = field(default=None, metadata={"recipe": False, "help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
     parent_run_id: str | None = field(default=None, metadata={"recipe": False, "help": "MLflow run to nest under"})
+    data_changed_ok: bool = field(default=False, metadata={"recipe": False, "help": "resume the sweep in --output even "
+                                                                                  "though a task's split was replaced since it started"})
 
     def __post_init__(self) -> None:
         check(bool(self.data_root or self.task), "task", "give --data-root DIR or at least one --task NAME=DIR")
@@ -250,23 +252,26 @@ def run_vtab(cfg: VtabConfig) -> dict[str, Any]:
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     # One sweep at a time in an output folder: two would restore the same sweep and run its trials twice.
     check_owner(output, "vtab")
-    with FolderLock(make_output_dir(output), "vtab"):
+    # The tasks' splits stay as they are for the sweep: a prepare replacing one is refused.
+    with reading("vtab", split_dirs(tasks)), FolderLock(make_output_dir(output), "vtab"):
         claim_folder(output, "vtab")
         return _run_sweeps(cfg, output, tasks)
 
 
 def _run_sweeps(cfg: VtabConfig, output: Path, tasks: dict[str, dict]) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
-    state = open_sweep_state(output, config, stage="vtab", fresh_keys=not_recipe(cfg))
+    records, main = task_records(tasks)
+    data = manifest_digests({r["name"]: r for r in records})
+    state = open_sweep_state(output, config, stage="vtab", fresh_keys=not_recipe(cfg), data=data,
+                             data_changed_ok=cfg.data_changed_ok)
     init_ray(cfg.ray_address)
     uri = tracking.tracking_uri()
     names = list(tasks)
-    records, main = task_records(tasks)
     upstream = [u for u in ([tracking.read_lineage(cfg.pretrained)] if cfg.pretrained else []) if u]
     name = f"vtab {len(names)} tasks" + (f" from {Path(cfg.pretrained).parent.name}" if cfg.pretrained else "")
     new = {"params": {**config, "tasks": names}, "parent_run_id": cfg.parent_run_id, "run_name": name,
            "tags": tracking.run_tags(cfg, data=records, main=main, models=upstream)}
-    with sweep_run("vtab", output, config, state, records=records, new=new) as run:
+    with sweep_run("vtab", output, config, state, records=records, new=new, data=data) as run:
         common = {"cfg": config, "tasks": tasks, "mlflow_parent": run.info.run_id, "mlflow_uri": uri}
         val, failed = _select(cfg, common, output, names)
         setting, sweep = choose_setting(val, names, cfg.settings())

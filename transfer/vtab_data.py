@@ -320,6 +320,11 @@ def resolve_tasks(data_root: str | None, task: list[str], *, no_flip: Sequence[s
     return tasks
 
 
+def split_dirs(tasks: dict[str, dict]) -> dict[str, Path]:
+    """Every split folder of every task, named ``task/split`` (the shard sets a stage reads)."""
+    return {f"{task}/{split}": Path(t["dir"]) / split for task, t in tasks.items() for split in SPLITS}
+
+
 def task_records(tasks: dict[str, dict]) -> tuple[list[dict], list[dict]]:
     """The shard-set records (``pipelines.schema.shard_set_record``) of every split of every task
     that exists, named ``task/split``; and those of the training splits, the main inputs."""

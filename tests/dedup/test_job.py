@@ -71,9 +71,11 @@ def test_job_removes_planted_duplicates_incrementally(corpus, monkeypatch):
     assert sorted(runs["metrics.new_removals"].tolist()) == [0.0, 1.0, 2.0]
 
 
-def test_dedup_and_prepare_never_write_one_shard_set_at_once(corpus, monkeypatch):
-    """dedup writes removed.jsonl, its index and report into the shard set, so it takes the set's prepare lock."""
-    from common.locks import FolderBusy, FolderLock
+def test_dedup_and_prepare_never_write_one_shard_set_at_once(corpus, monkeypatch, reader_process):
+    """dedup writes removed.jsonl, its index and report into the shard set, so it takes the set's prepare
+    lock; and the rows it removes would leave a run reading the set, so it waits for its readers too."""
+    from common import locks
+    from common.locks import DataBusy, FolderBusy, FolderLock
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
 
@@ -87,7 +89,12 @@ def test_dedup_and_prepare_never_write_one_shard_set_at_once(corpus, monkeypatch
         with pytest.raises(FolderBusy, match=r"another dedup run is writing there \(pid \d+ on "):
             run_prepare(PrepareConfig(input=[str(corpus / "corpus")], output=str(shards), size=160, workers=1,
                                       shard_mb=0.05))
-    assert {p.relative_to(shards): p.stat().st_mtime_ns for p in shards.rglob("*")} == files  # neither wrote
+    monkeypatch.setattr(locks, "READERS_WAIT_S", 0.1)
+    with reader_process(shards, "pretrain") as reader:
+        with pytest.raises(DataBusy, match=rf"^shards {shards}: this shard set is being read \(pretrain run, pid "
+                                           rf"{reader.pid} on .*; dedup would change the data under it: wait"):
+            run(DedupConfig(shards=str(shards), test_set=[f"set_a={corpus / 'set_a'}"]))
+    assert {p.relative_to(shards): p.stat().st_mtime_ns for p in shards.rglob("*")} == files  # none wrote
 
 
 def _index_keys(shards: Path, test_set: str):

@@ -187,6 +187,29 @@ def test_a_second_run_into_an_output_folder_in_use_is_refused_naming_the_holder(
     assert "Ray" not in out.stderr and sorted(os.listdir(out_dir)) == []  # released, nothing written
 
 
+@pytest.mark.parametrize("job", ["pretrain", "finetune", "vtab", "fewshot"])
+def test_a_reader_of_a_set_that_prepare_is_rewriting_is_refused_naming_it(job, tiny_shards, tmp_path, job_main,
+                                                                          mlflow_store, build_pretrained, monkeypatch):
+    # A pretrain started while a prepare --overwrite replaced its set trained on a mix of the two.
+    import shutil
+
+    from common import locks
+
+    monkeypatch.setattr(locks, "READERS_WAIT_S", 0.1)
+    shards = tmp_path / "set"
+    shutil.copytree(tiny_shards, shards)  # the session's set stays free for the tests beside this one
+    data = _stage_args("vtab" if job == "fewshot" else job, shards, tmp_path)
+    if job == "fewshot":
+        data += ["--pretrained", str(build_pretrained(tmp_path / "m.safetensors", img_size=32, representation_size=None))]
+    with locks.FolderLock(shards, "prepare"), locks.DataLock(shards, "prepare", exclusive=True):
+        out = job_main(job, *data, "--output", str(tmp_path / "out"))
+    name = {"pretrain": "data", "finetune": "train"}.get(job, "mine/train800")
+    assert_one_line_exit_2(out, job, f"a prepare run is rewriting this shard set (pid {os.getpid()} on ")
+    assert error_lines(out, job)[0].startswith(f"{job}: error: {name} ")
+    assert error_lines(out, job)[0].endswith(f"; wait for it to finish, then run {job} again")
+    assert "Ray" not in out.stderr and not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize(("job", "owner"), [("vtab", "finetune"), ("finetune", "vtab"), ("pretrain", "finetune")])
 def test_a_stage_into_a_folder_another_stage_owns_is_refused_before_it_writes(job, owner, tiny_shards, tmp_path):
     # A vtab started beside a finetune in one --output replaced the finetune's sweep state and Tune folders.

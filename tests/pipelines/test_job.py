@@ -344,3 +344,27 @@ def test_a_full_disk_is_one_line_naming_the_free_space_and_the_need_and_leaves_n
     assert lines[1].startswith(f"prepare: error: output {out}: the disk is full (")
     assert "MB free, and this run needs up to 3." in lines[1] and "choose another --output" in lines[1]
     assert os.listdir(out) == []  # no staging, plan or lock left
+
+
+def test_prepare_overwrite_is_refused_while_another_process_reads_the_set(tmp_path, tiny_shards, reader_process,
+                                                                           job_main, monkeypatch):
+    # It replaced the set under a running pretrain, both exited 0, and the run's lineage named a manifest gone.
+    import shutil
+
+    from common import locks
+
+    monkeypatch.setattr(locks, "READERS_WAIT_S", 0.1)
+    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "home"))
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_shards, shards)
+    before = {p.name: p.stat().st_mtime_ns for p in shards.iterdir()}
+    with reader_process(shards, "pretrain") as reader:
+        out = job_main("prepare", "--input", str(tiny_shards.parent / "src" / "cat"), "--output", str(shards),
+                       "--overwrite", "--size", "32", "--workers", "1")
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("prepare: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"prepare: error: output {shards}: this shard set is being read "
+                                                   f"(pretrain run, pid {reader.pid} on "), out.stderr
+    assert lines[0].endswith("prepare would change the data under it: wait for that run to finish, or stop it, then "
+                             "run again")
+    assert {p.name: p.stat().st_mtime_ns for p in shards.iterdir()} == before  # the set as it was

@@ -27,3 +27,36 @@ def test_a_sigkilled_run_is_reopened_on_resume_and_marked_killed_when_replaced(t
     replaced, *_, reopen = _claim(dataclasses.replace(cfg, run_name=None, overwrite=True), storage)
     assert reopen is None and replaced.run_name != "r1"
     assert client.get_run(dead).info.status == "KILLED"
+
+
+def test_a_resume_on_a_replaced_shard_set_is_refused_in_one_line_unless_data_changed_ok(tiny_shards, tmp_path, job_main,
+                                                                                         mlflow_store, capfd):
+    # A prepare --overwrite while the run was stopped: its resume trained on other data, silently.
+    import hashlib
+    import shutil
+
+    shards = tmp_path / "shards"
+    shutil.copytree(tiny_shards, shards)
+    out = tmp_path / "out"
+    cfg = PretrainConfig(data=str(shards), output=str(out), batch_size=4, num_workers=1)
+    started, *_ = _claim(cfg, (str(out / "ray"), None))  # what a run records before Ray starts
+    manifest = shards / "manifest.json"
+    then = hashlib.sha256(manifest.read_bytes()).hexdigest()
+    assert json.loads((out / RUN_RECORD).read_text())["data"] == {
+        "data": {"url": str(shards), "manifest_sha256": then}}
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "mlflow_run_id": "another-prepare"}))
+    now = hashlib.sha256(manifest.read_bytes()).hexdigest()
+
+    refused = job_main("pretrain", "--data", str(shards), "--output", str(out), "--batch-size", "4",
+                       "--num-workers", "1")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert [line for line in refused.stderr.splitlines() if line.startswith("pretrain: ")] == [
+        f"pretrain: error: data {shards}: its manifest.json is not the one this run started on (sha256 {then[:16]}… "
+        f"then, {now[:16]}… now: the set was replaced); pass --overwrite to start run {started.run_name!r} again on "
+        "it, or pass --data-changed-ok to resume on the new data"], refused.stderr[-3000:]
+    assert "Ray" not in refused.stderr
+
+    resumed, *_ = _claim(dataclasses.replace(cfg, data_changed_ok=True), (str(out / "ray"), None))
+    assert resumed.run_name == started.run_name
+    assert "resuming on the new data (--data-changed-ok)" in capfd.readouterr().err
+    assert json.loads((out / RUN_RECORD).read_text())["data"]["data"]["manifest_sha256"] == now  # what it runs on now

@@ -280,3 +280,21 @@ def test_a_trial_in_a_reused_process_gives_the_metrics_of_one_in_a_fresh_process
                                           warmup_steps=1, val_fraction=0.25, max_concurrent=1))
     first, second = summary["trials"]
     assert first == second
+
+
+def test_a_sweep_resumed_on_a_replaced_split_is_refused_unless_data_changed_ok(tmp_path, capsys):
+    from transfer.sweep import manifest_digests
+
+    config = {"lrs": [0.01], "steps": 5}
+    started = manifest_digests({"train": {"url": "/sets/train", "manifest_sha256": "1" * 64, "num_rows": 9}})
+    replaced = {"train": {**started["train"], "manifest_sha256": "2" * 64}}
+    save_sweep_state(tmp_path, config, "run-1", stage="finetune", data=started)
+    assert open_sweep_state(tmp_path, config, stage="finetune", data=started)["mlflow_run_id"] == "run-1"
+    with pytest.raises(ConfigError) as refused:
+        open_sweep_state(tmp_path, config, stage="finetune", data=replaced)
+    assert str(refused.value) == (
+        f"train /sets/train: its manifest.json is not the one this finetune sweep started on (sha256 {'1' * 16}… "
+        f"then, {'2' * 16}… now: the set was replaced); pass a new --output to sweep it afresh, or pass "
+        "--data-changed-ok to resume on the new data")
+    assert open_sweep_state(tmp_path, config, stage="finetune", data=replaced, data_changed_ok=True)
+    assert "resuming on the new data (--data-changed-ok)" in capsys.readouterr().err
