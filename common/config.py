@@ -298,8 +298,9 @@ def build_parser(cls: type, *, prog: str | None = None, description: str | None 
         prog=prog,
         description=description or (cls.__doc__ or "").strip().splitlines()[0],
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of field: value; flags override it")
     fields = _fields(cls)
+    if "config" not in fields:  # a config with a field of that name (the study's recipe) takes --config as it
+        parser.add_argument("--config", metavar="FILE", help="YAML or JSON file of field: value; flags override it")
     if console:
         if "verbose" not in fields:
             parser.add_argument("--verbose", dest="verbose", nargs="?", const="true", default=argparse.SUPPRESS,
@@ -337,7 +338,7 @@ def parse_args(cls: type[T], argv: Sequence[str] | None = None, *, prog: str | N
     """
     parser = build_parser(cls, prog=prog, console=console is not None)
     ns = vars(parser.parse_args(_join_dash_values(parser, sys.argv[1:] if argv is None else argv)))
-    config_path = ns.pop("config", None)
+    config_path = None if "config" in _fields(cls) else ns.pop("config", None)
     if console is not None:
         own = _fields(cls)
         try:

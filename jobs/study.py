@@ -1,8 +1,8 @@
 """A scaling study: pre-train every model on nested fractions of a shard set, then compare their
 best few-shot accuracy against images and compute (the paper's Figures 4 and 5).
 
-    python jobs/study.py --data shards/ --fewshot-data digits-train/ --recipe configs/pretrain-demo-tiny.yaml \
-        --models Ti/16,BiT-R50x1 --fractions 0.1,0.3,1 --budget epochs --epochs 10
+    python jobs/study.py --data shards/ --task digits=vtab/digits --config configs/pretrain-demo-tiny.yaml \
+        --models Ti/16,BiT-R50x1 --fractions 0.1,0.3,1 --shots 5,10 --budget epochs --epochs 10
 """
 import sys
 from pathlib import Path

@@ -41,6 +41,7 @@ from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progr
 from common.tracking_queue import SPOOL_DIR
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
 from training import run_artifacts
+from training.task_folders import check_task_folders, task_folders, task_records
 
 DEFAULT_EPOCHS = 10
 DEFAULT_DROPOUT = 0.1
@@ -114,8 +115,10 @@ class PretrainConfig:
     storage_path: str | None = field(default=None, metadata={"recipe": False, "help": "where Ray Train keeps checkpoints: a path or any pyarrow/fsspec URL (default OUTPUT/ray); shared by every node"})
     max_failures: int = field(default=0, metadata={"recipe": False, "help": "worker-group restarts from the last checkpoint"})
     log_every: int = field(default=10, metadata={"recipe": False, "help": "rank-0 MLflow logging interval in steps"})
-    fewshot_every: int | None = field(default=None, metadata={"recipe": False, "help": "few-shot linear accuracy on --fewshot-data every N steps"})
+    fewshot_every: int | None = field(default=None, metadata={"recipe": False, "help": "few-shot linear accuracy on --fewshot-data and each --fewshot-task folder every N steps"})
     fewshot_data: str | None = field(default=None, metadata={"recipe": False, "help": "labelled shard set for the few-shot evaluator"})
+    fewshot_task: list[str] = field(default_factory=list, metadata={"recipe": False, "help": "NAME=DIR, repeatable: a downstream task folder (train800/, val200/, test/, as jobs/fewshot.py --task reads it) few-shot scored every --fewshot-every steps: fit on train800 and val200, scored on test (at most 2,000 rows of each)"})
+    fewshot_shots: list[int] | None = field(default=None, metadata={"recipe": False, "help": "shot counts of the few-shot scoring during training; default: 1, 5, 10 and 25, those every class can fill"})
     register_as: str | None = field(default=None, metadata={"recipe": False, "help": "register the final model under this name in the MLflow model registry"})
     seed: int = field(default=0, metadata={"help": "seed for init, shuffling and augmentation"})
     ray_address: str | None = field(default=None, metadata={"recipe": False, "help": "Ray cluster address; default: RAY_ADDRESS or in-process"})
@@ -157,8 +160,12 @@ class PretrainConfig:
         check(self.grad_clip >= 0, "grad_clip", f"must be >= 0, got {self.grad_clip}")
         check(self.loader_workers is None or self.loader_workers >= 0, "loader_workers", f"must be >= 0, got {self.loader_workers}")
         check(self.max_failures >= -1, "max_failures", f"must be >= 0 (or -1: no limit), got {self.max_failures}")
-        check((self.fewshot_every is None) == (self.fewshot_data is None), "fewshot_every",
-              "--fewshot-every and --fewshot-data go together: give both or neither")
+        scored = bool(self.fewshot_data or self.fewshot_task)
+        check((self.fewshot_every is None) != scored, "fewshot_every", "--fewshot-every and --fewshot-data or "
+              "--fewshot-task go together: give --fewshot-every with at least one of them, or none")
+        check(self.fewshot_shots is None or (bool(self.fewshot_shots) and min(self.fewshot_shots) > 0), "fewshot_shots",
+              f"must be positive shot counts, e.g. --fewshot-shots 5,10; got {self.fewshot_shots}")
+        task_folders(self.fewshot_task, "fewshot_task")
         if self.objective == "mpp":
             check(self.loss == "softmax", "loss", "masked patch prediction uses a 512-way softmax; leave loss=softmax")
             check(not (self.strategy == "fsdp" and self.fewshot_every), "fewshot_every",
@@ -394,6 +401,7 @@ def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}
         data_record = shard_set_record(cfg.data, role="training")
         records = [data_record] + ([shard_set_record(cfg.fewshot_data, role="evaluation")] if cfg.fewshot_data else [])
+        records += task_records(task_folders(cfg.fewshot_task, "fewshot_task"))
         name = f"pretrain {cfg.variant.replace('/', '')} on {data_record['name']}"
         if reopen:  # the run this output's interrupted pre-training logged to, as a resumed sweep does
             opened = tracking.start_run("pretrain", run_id=reopen, log_system_metrics=True)
@@ -444,8 +452,10 @@ def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, 
                           "with jobs/prepare.py and pass its directory")
     shards = ShardSet(str(data))
     _check_labels(cfg, shards)
+    tasks = check_task_folders(cfg.fewshot_task, "fewshot_task")
     cfg = dataclasses.replace(cfg, data=str(data.resolve()),
-                              fewshot_data=str(Path(cfg.fewshot_data).expanduser().resolve()) if cfg.fewshot_data else None)
+                              fewshot_data=str(Path(cfg.fewshot_data).expanduser().resolve()) if cfg.fewshot_data else None,
+                              fewshot_task=[f"{name}={path}" for name, path in tasks.items()])
     output = Path(durable_path(cfg.output, "output")).expanduser().resolve()
     uri = tracking.tracking_uri()
     train_rows = int(training_mask(shard_keys(shards), cfg.holdout, cfg.fraction).sum())

@@ -1,9 +1,10 @@
 """A scaling study: a grid of pre-training runs (model x nested data fraction), read as the paper
 reads Figures 4 and 5: each cell's best few-shot accuracy against its images and its compute.
 
-Each cell is one :func:`training.pretrain.run_pretrain` run of the recipe, with ``--fraction`` and
-few-shot scoring during training (:mod:`training.best`), in a folder of its own under
-``output/cells``. The cells run one after another in this process, under one MLflow parent run.
+Each cell is one :func:`training.pretrain.run_pretrain` run of the recipe (``--config``), with
+``--fraction`` and few-shot scoring during training on the downstream task folders (``--task``,
+each task and shot count scored and kept apart, :mod:`training.best`), in a folder of its own
+under ``output/cells``. The cells run one after another in this process, under one MLflow parent run.
 A cell whose summary is written is finished: the same command run again skips it, and an
 interrupted cell resumes from its checkpoint into its own MLflow run.
 """
@@ -23,11 +24,14 @@ from common.fs import atomic_write, make_output_dir
 from common.locks import FolderLock, check_owner, check_same_data, claim_folder, reading
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
 from training.pretrain import SUMMARY, PretrainConfig, data_digests, read_run_record, run_pretrain
+from training.task_folders import check_task_folders, task_folders, task_records
 
 STUDY_RECORD = "study.json"
 # A recipe's ViT size overrides (a tiny ViT for a small study); a BiT ResNet's size is in its name.
 VIT_SIZE = ("depth", "width", "mlp_dim", "num_heads")
 TABLE = "study_table.json"
+# A cell's best few-shot score in the table: per task (--task NAME), or unprefixed for --fewshot-data.
+SHOT_KEY = re.compile(r"(?:(.+)_)?(\d+)shot_accuracy")
 
 
 @dataclasses.dataclass
@@ -35,8 +39,9 @@ class StudyConfig:
     """Pre-train every model on every nested fraction of a shard set; compare best few-shot accuracy."""
 
     data: str = field(metadata={"recipe": False, "help": "shard directory written by jobs/prepare.py"})
-    fewshot_data: str = field(metadata={"recipe": False, "help": "labelled shard set each cell is few-shot scored on during training"})
-    recipe: str | None = field(default=None, metadata={"recipe": False, "help": "the pre-training recipe, a YAML or JSON file as jobs/pretrain.py --config takes"})
+    task: list[str] = field(default_factory=list, metadata={"recipe": False, "help": "NAME=DIR, repeatable: a downstream task folder (train800/, val200/, test/, as jobs/fewshot.py --task reads it) every cell is few-shot scored on during training: fit on train800 and val200, scored on test"})
+    config: str | None = field(default=None, metadata={"recipe": False, "help": "the pre-training recipe, a YAML or JSON file as jobs/pretrain.py --config takes"})
+    fewshot_data: str | None = field(default=None, metadata={"recipe": False, "help": "a labelled shard set every cell is also few-shot scored on, split in half for fit and test"})
     output: str = field(default="study_output", metadata={"recipe": False, "help": "directory for the cells, the table and the study's record"})
     models: list[str] = field(default_factory=lambda: ["Ti/16", "BiT-R50x1"], metadata={"help": "variants, comma-separated, e.g. Ti/16,BiT-R50x1,R50+Ti/16"})
     fractions: list[float] = field(default_factory=lambda: [0.03, 0.1, 0.3, 1.0], metadata={"help": "nested data fractions in (0, 1], comma-separated"})
@@ -45,6 +50,7 @@ class StudyConfig:
     steps: int | None = field(default=None, metadata={"help": "optimiser steps per cell (--budget steps)"})
     batch_size: int | None = field(default=None, metadata={"help": "override the recipe's global batch for every cell"})
     img_size: int | None = field(default=None, metadata={"help": "override the recipe's resolution for every cell"})
+    shots: list[int] | None = field(default=None, metadata={"help": "images per class of the few-shot scoring, e.g. 5,10; default: 1, 5, 10 and 25, those every class can fill"})
     fewshot_every: int = field(default=100, metadata={"help": "few-shot scoring interval in steps, in every cell"})
     data_changed_ok: bool = field(default=False, metadata={"recipe": False, "help": "go on with the study even though "
                                                                                   "a shard set it reads was replaced since its cells started"})
@@ -66,6 +72,11 @@ class StudyConfig:
         check(self.budget != "steps" or self.steps is not None, "steps", "--budget steps needs --steps N")
         check(self.budget != "epochs" or self.steps is None, "steps", "--steps sets a step budget: add --budget steps")
         check(self.fewshot_every > 0, "fewshot_every", f"must be a positive integer, got {self.fewshot_every}")
+        check(bool(self.task or self.fewshot_data), "task", "score the cells on at least one downstream task: "
+              "--task NAME=DIR (a folder of train800/, val200/ and test/ shard sets), or --fewshot-data DIR")
+        check(self.shots is None or (bool(self.shots) and min(self.shots) > 0), "shots",
+              f"must be positive shot counts, e.g. --shots 5,10; got {self.shots}")
+        task_folders(self.task, "task")
 
 
 def cell_name(model: str, fraction: float) -> str:
@@ -76,8 +87,9 @@ def cell_configs(cfg: StudyConfig) -> list[PretrainConfig]:
     """Every cell's pre-training config, checked (an unknown model is refused here, in one line)."""
     from vitcore.variants import is_bit_variant
 
-    recipe = load_file(cfg.recipe) if cfg.recipe else {}
-    for name in ("data", "output", "variant", "fraction", "fewshot_data", "fewshot_every", "run_name", "data_changed_ok"):
+    recipe = load_file(cfg.config) if cfg.config else {}
+    for name in ("data", "output", "variant", "fraction", "fewshot_data", "fewshot_task", "fewshot_shots",
+                 "fewshot_every", "run_name", "data_changed_ok"):
         recipe.pop(name, None)
     if cfg.budget == "steps":
         length = {"steps": cfg.steps}
@@ -88,21 +100,25 @@ def cell_configs(cfg: StudyConfig) -> list[PretrainConfig]:
     for model in cfg.models:
         for fraction in cfg.fractions:
             sized = {k: v for k, v in recipe.items() if not (is_bit_variant(model) and k in VIT_SIZE)}
-            values = {**sized, **overrides, **length, "data": cfg.data, "variant": model, "fraction": fraction, "fewshot_data": cfg.fewshot_data,
+            values = {**sized, **overrides, **length, "data": cfg.data, "variant": model, "fraction": fraction,
+                      "fewshot_data": cfg.fewshot_data, "fewshot_task": list(cfg.task), "fewshot_shots": cfg.shots,
                       "fewshot_every": cfg.fewshot_every, "data_changed_ok": cfg.data_changed_ok,
                       "output": str(Path(cfg.output) / "cells" / cell_name(model, fraction))}
-            cells.append(from_dict(PretrainConfig, values, source=cfg.recipe or "study"))
+            cells.append(from_dict(PretrainConfig, values, source=cfg.config or "study"))
     return cells
 
 
 def _check_inputs(cfg: StudyConfig) -> None:
-    """Before Ray starts: the shard sets exist, and every fraction leaves training rows."""
+    """Before Ray starts: the shard sets and task folders exist, and every fraction leaves training rows."""
     from training.data import shard_keys, training_mask
 
     for name in ("data", "fewshot_data"):
+        if getattr(cfg, name) is None:
+            continue
         path = Path(getattr(cfg, name)).expanduser()
         if not (path / MANIFEST).is_file():
             raise ConfigError(f"{name}: {path} has no {MANIFEST}; {missing_manifest_hint(path)}")
+    check_task_folders(cfg.task, "task")
     keys = shard_keys(ShardSet(str(Path(cfg.data).expanduser())))
     holdout = cell_configs(cfg)[0].holdout
     for f in cfg.fractions:
@@ -168,8 +184,9 @@ def _parent_run(cfg: StudyConfig, output: Path):
     if recorded:
         return tracking.start_run("study", run_id=recorded)
     record = shard_set_record(cfg.data, role="training")
+    tasks = task_records(task_folders(cfg.task, "task"))
     opened = tracking.start_run("study", params=dataclasses.asdict(cfg), run_name=f"study on {record['name']}",
-                                tags=tracking.run_tags(cfg, data=[record], main=[record]))
+                                tags=tracking.run_tags(cfg, data=[record, *tasks], main=[record]))
     return _Recorded(opened, output)
 
 
@@ -188,16 +205,29 @@ class _Recorded:
         return self.opened.__exit__(*exc)
 
 
+def _shot_columns(rows: list[dict]) -> list[str]:
+    """The table's ``[<task>_]<k>shot_accuracy`` keys, by task (the --fewshot-data set first), then shot count."""
+    found = {k for r in rows for k in r if SHOT_KEY.fullmatch(k)}
+
+    def order(k: str) -> tuple[str, int]:
+        task, k_shots = SHOT_KEY.fullmatch(k).groups()
+        return task or "", int(k_shots)
+
+    return sorted(found, key=order)
+
+
 def format_table(rows: list[dict]) -> str:
-    """The study's table: model, fraction, images, steps, exaFLOPs, best few-shot per shot count, its step."""
-    shots = sorted({k for r in rows for k in r if k.endswith("shot_accuracy")}, key=lambda k: int(k.split("shot")[0]))
+    """The study's table: model, fraction, images, steps, exaFLOPs, best few-shot per task and shot count, its step."""
+    shots = _shot_columns(rows)
+    names = [k.removesuffix("_accuracy").replace("_", " ") for k in shots]
+    widths = [max(9, len(n) + 1) for n in names]
     head = f"{'model':<14}{'fraction':>9}{'images':>9}{'steps':>7}{'exaFLOPs':>11}"
-    head += "".join(f"{k.replace('_accuracy', ''):>9}{'step':>6}" for k in shots)
+    head += "".join(f"{n:>{w}}{'step':>6}" for n, w in zip(names, widths))
     lines = [head]
     for r in rows:
         line = f"{r['model']:<14}{r['fraction']:>9g}{r['images']:>9}{r['steps']:>7}{r['exaflops']:>11.3g}"
-        for k in shots:
-            acc, step = r.get(k), r.get(k.replace("_accuracy", "_step"))
-            line += f"{acc:>9.3f}{step:>6}" if acc is not None else f"{'-':>9}{'-':>6}"
+        for k, w in zip(shots, widths):
+            acc, step = r.get(k), r.get(k.removesuffix("_accuracy") + "_step")
+            line += f"{acc:>{w}.3f}{step:>6}" if acc is not None else f"{'-':>{w}}{'-':>6}"
         lines.append(line)
     return "\n".join(lines)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import ConcatDataset, DataLoader, DistributedSampler
 
 import vitcore
 from common.tracking_queue import SPOOL_DIR
@@ -58,6 +58,7 @@ from training.losses import classification_loss
 from training.metrics import MetricsSink
 from training.mixup import Mixer
 from training.step import adamw, compile_mode, compile_model
+from training.task_folders import FIT_SPLITS, TEST_SPLIT, task_folders
 from vitcore.variants import decode_variant, is_bit_variant
 
 
@@ -102,7 +103,7 @@ class Trainer:
         self.checkpointer.load(self)
         stream = RayDataStream if cfg.loader == "ray_data" else ShardStream
         self.data = stream(cfg, train_ds, self.rank, self.world, self.steps_per_epoch, self.device)
-        self.fewshot = _fewshot_set(cfg) if cfg.fewshot_every else None
+        self.fewshot = _fewshot_sets(cfg) if cfg.fewshot_every else None
         peak = vitcore.bf16_peak_flops(torch.cuda.get_device_name(self.device)) if self.device.type == "cuda" else None
         self.metrics = MetricsSink(rank=self.rank, world=self.world, device=self.device,
                                    run_id=self.run["mlflow_run_id"], uri=self.run["mlflow_uri"],
@@ -259,7 +260,10 @@ class Trainer:
         target = unwrap(self.trainable)
         model = self.ema.model if self.ema else target.backbone if self.mpp else target
         # Rank 0's scores decide the best step on every rank: keeping its model may be a collective.
-        scores = gather(_fewshot_scores(model, self.fewshot, self.cfg.microbatch_size))[0]
+        scores: dict[str, float] = {}
+        for fewshot in self.fewshot:
+            scores.update(_fewshot_scores(model, fewshot, self.cfg.microbatch_size, self.cfg.fewshot_shots))
+        scores = gather(scores)[0]
         if scores:
             self.metrics.log(scores, self.step)
             if self.best.update(scores, self.step):
@@ -417,29 +421,57 @@ class HeldOut:
                           generator=_own_generator(self.cfg.seed))
 
 
+FEWSHOT_ROWS = 2000  # images held per few-shot set (and per task split): a bound on each scoring's cost
+DEFAULT_SHOTS = (1, 5, 10, 25)
+
+
+def _fewshot_sets(cfg: Any) -> list[dict]:
+    """The few-shot sets scored during training: ``fewshot_data`` split in half, then each task folder."""
+    sets = [_fewshot_set(cfg)] if cfg.fewshot_data else []
+    for name, path in task_folders(cfg.fewshot_task, "fewshot_task").items():
+        sets.append(_task_set(cfg, name, path))
+    return sets
+
+
+def _sample(ds: Any, seed: int) -> tuple[torch.Tensor, np.ndarray]:
+    rows = np.random.default_rng(seed).permutation(len(ds))[:FEWSHOT_ROWS]
+    xs, ys = zip(*(ds[int(i)] for i in rows))
+    return torch.stack(xs), np.asarray(ys)
+
+
 def _fewshot_set(cfg: Any) -> dict:
     """Images and labels of ``fewshot_data`` (at most 2,000 rows), split in half for fit and test."""
     ds = ShardImageDataset(cfg.fewshot_data, eval_transform(cfg.img_size))
-    rows = np.random.default_rng(cfg.seed).permutation(len(ds))[:2000]
-    xs, ys = zip(*(ds[int(i)] for i in rows))
-    x, y = torch.stack(xs), np.asarray(ys)
+    x, y = _sample(ds, cfg.seed)
     fit, test = split_rows(len(y), 0.5, cfg.seed)
     return {"x": x, "y": y, "fit": fit, "test": test, "num_classes": ds.num_classes}
 
 
-def _fewshot_scores(model: torch.nn.Module, fewshot: dict, batch_size: int) -> dict[str, float]:
-    """Few-shot linear accuracy (vitcore's closed-form evaluator) for every shot count the
-    fit half can fill: the paper's cheap way to follow pre-training (Section 4.1)."""
+def _task_set(cfg: Any, name: str, path: Path) -> dict:
+    """A task folder's few-shot set: fit on train800 and val200, test on test (at most 2,000 rows each)."""
+    transform = eval_transform(cfg.img_size)
+    fit_x, fit_y = _sample(ConcatDataset([ShardImageDataset(str(path / s), transform) for s in FIT_SPLITS]), cfg.seed)
+    test_x, test_y = _sample(ShardImageDataset(str(path / TEST_SPLIT), transform), cfg.seed)
+    n, m = len(fit_y), len(test_y)
+    return {"x": torch.cat([fit_x, test_x]), "y": np.concatenate([fit_y, test_y]), "fit": np.arange(n),
+            "test": np.arange(n, n + m), "prefix": f"fewshot_{name}_"}
+
+
+def _fewshot_scores(model: torch.nn.Module, fewshot: dict, batch_size: int,
+                    shots: list[int] | None = None) -> dict[str, float]:
+    """Few-shot linear accuracy (vitcore's closed-form evaluator) for every shot count (of ``shots``,
+    default 1, 5, 10, 25) the fit rows can fill: the paper's cheap way to follow pre-training (Section 4.1)."""
     feats = vitcore.compute_representations(model, fewshot["x"], batch_size=batch_size)
     y, fit, test = fewshot["y"], fewshot["fit"], fewshot["test"]
     # Classes with no fit example cannot be learned from shots: evaluate on the others.
     classes = np.unique(y[fit])
     counts = np.bincount(np.searchsorted(classes, y[fit]), minlength=len(classes))
-    shots = [k for k in (1, 5, 10, 25) if counts.min() >= k]
+    shots = [k for k in (shots or DEFAULT_SHOTS) if counts.min() >= k]
     test_keep = np.isin(y[test], classes)
     if len(classes) < 2 or not shots or not test_keep.any():
         return {}
     fit_y, test_y = np.searchsorted(classes, y[fit]), np.searchsorted(classes, y[test][test_keep])
     results = vitcore.fewshot_accuracy(feats[fit], fit_y, feats[test][test_keep], test_y,
                                        num_classes=len(classes), shots=shots, seeds=(0,))
-    return {f"fewshot_{k}shot_accuracy": r["mean"] for k, r in results.items()}
+    prefix = fewshot.get("prefix", "fewshot_")
+    return {f"{prefix}{k}shot_accuracy": r["mean"] for k, r in results.items()}

@@ -29,11 +29,12 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 from PIL import Image
 
-from common.config import ConfigError, InputError, check, parse_named
+from common.config import ConfigError, check, parse_named
 from common.fs import atomic_write
 from pipelines import schema
 from pipelines.config import PrepareConfig
 from pipelines.ingest import run_prepare
+from training.task_folders import MissingTaskError, check_task_folder  # noqa: F401 (MissingTaskError: re-exported)
 from transfer.vtab_tasks import GROUPS, SPLITS, TASKS, TRAIN_SIZE, VAL_SIZE, Task, custom_task
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm"}
@@ -253,10 +254,6 @@ def run_vtab_prepare(cfg: VtabPrepareConfig) -> dict[str, Any]:
 
 # -- reading task folders for a run ------------------------------------------------------------------
 
-class MissingTaskError(InputError):
-    """A task folder or one of its splits is absent; the message names the converter command."""
-
-
 def _task_folders(data_root: str | None, task: list[str], no_flip: Sequence[str],
                   no_crop: Sequence[str]) -> dict[str, tuple[Task, Path, bool]]:
     """``{name: (task, folder, is a registry task)}`` from ``--data-root`` and ``--task``."""
@@ -290,33 +287,15 @@ def resolve_tasks(data_root: str | None, task: list[str], *, no_flip: Sequence[s
     entries, and ``no_flip``/``no_crop`` name the user's tasks a flip or crop would relabel.
     Checked before any trial: each task folder must hold the three splits with one label map.
     """
-    from training.data import check_labelled
-
     tasks = {}
     for name, (t, path, registry) in _task_folders(data_root, task, no_flip, no_crop).items():
-        for split in SPLITS:
-            if not (path / split / schema.MANIFEST).is_file():
-                what = "does not exist" if not path.exists() else f"has no {split}/ shard set"
-                raise MissingTaskError(f"task {name}: {path} {what}; prepare it with: "
-                                       f"{split_command(name, str(path), registry)}")
-        sets = {s: schema.ShardSet(path / s) for s in SPLITS}
-        maps = {s: sets[s].label_map for s in SPLITS}
-        if not maps["train800"] == maps["val200"] == maps["test"]:
-            raise ConfigError(f"task {name}: the label maps of {path}/train800, val200 and test differ; prepare the "
-                              "three splits with the same --label-map (jobs/vtab_prepare.py does)")
-        classes = len(maps["train800"])
+        sets = check_task_folder(name, path, split_command(name, str(path), registry))
+        classes = len(sets["train800"].label_map)
         if t.num_classes is not None and classes != t.num_classes:
             raise ConfigError(f"task {name}: {path} has {classes} classes, VTAB's {name} has {t.num_classes}; "
                               f"prepare it with: {split_command(name, str(path), True)}")
-        empty = [s for s in SPLITS if len(sets[s]) == 0]
-        if empty:
-            raise ConfigError(f"task {name}: {path}/{empty[0]} has no rows; check its quarantine.jsonl")
-        for split in SPLITS:
-            check_labelled(sets[split], f"task {name}", unlabelled_fix="a task needs labelled splits; prepare it "
-                           f"with: {split_command(name, str(path), registry)}", several_fix="prepare it with one "
-                           "label a row")
-        tasks[name] = {"dir": str(path), "group": t.group, "num_classes": classes, "label_map": maps["train800"],
-                       "flip": t.flip, "crop": t.crop, "registry": registry}
+        tasks[name] = {"dir": str(path), "group": t.group, "num_classes": classes,
+                       "label_map": sets["train800"].label_map, "flip": t.flip, "crop": t.crop, "registry": registry}
     return tasks
 
 
