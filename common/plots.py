@@ -224,7 +224,9 @@ def _study_axes(rows: list[dict], title: str):
     plt = pyplot()
     from matplotlib import ticker
 
-    fig, axes = plt.subplots(1, len(shots), figsize=(5.0 * len(shots) + 1.5, 4.2), squeeze=False)
+    cols = 2 if len(shots) == 4 else len(shots)
+    rows = (len(shots) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.0 * cols + 1.5, 4.2 * rows), squeeze=False)
     for ax, key in zip(axes.flat, shots):
         ax.set_title(f"{key.split('shot')[0]}-shot linear", fontsize=10)
         ax.set_ylabel(f"best {key.split('shot')[0]}-shot accuracy")
@@ -235,12 +237,13 @@ def _study_axes(rows: list[dict], title: str):
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.grid(alpha=0.3, which="both")
     fig.suptitle(title, fontsize=10)
-    return fig, axes.flat, shots
+    return fig, list(axes.flat), shots
 
 
 def study_by_images(rows: list[dict], title: str = "best few-shot accuracy against pre-training images") -> bytes | None:
     """Figure 4: each model's best few-shot accuracy against its training images, one line per model,
     log x axis, one panel per shot count. ``rows`` are a study table's (``model``, ``images``, ``<k>shot_accuracy``)."""
+    rows = [r for r in rows if r.get("images")]
     fig, axes, shots = _study_axes(rows, title)
     if fig is None:
         return None
@@ -253,12 +256,15 @@ def study_by_images(rows: list[dict], title: str = "best few-shot accuracy again
                         label=f"{model} ({model_family(model)})")
         ax.set_xlabel("pre-training images (training rows of the subset)")
         ax.legend(fontsize=7)
+    fig.tight_layout()
     return png(fig)
 
 
 def study_by_compute(rows: list[dict], title: str = "best few-shot accuracy against pre-training compute") -> bytes | None:
     """Figure 5: each cell's best few-shot accuracy against its exaFLOPs, the marker its family (ViT,
-    ResNet, hybrid) and the colour its model, log x axis, one panel per shot count."""
+    ResNet, hybrid) and the colour its model, log x axis, one panel per shot count. Rows without
+    exaFLOPs (a table rebuilt from a stopped study's cells) are left out."""
+    rows = [r for r in rows if r.get("exaflops")]
     fig, axes, shots = _study_axes(rows, title)
     if fig is None:
         return None
@@ -271,4 +277,5 @@ def study_by_compute(rows: list[dict], title: str = "best few-shot accuracy agai
                         color=colour, label=f"{model} ({model_family(model)})")
         ax.set_xlabel("pre-training exaFLOPs")
         ax.legend(fontsize=7)
+    fig.tight_layout()
     return png(fig)

@@ -47,6 +47,14 @@ def write_figures(table: dict[str, Any], output: str | Path) -> list[Path]:
     return written
 
 
+def run_and_draw(cfg) -> dict[str, Any]:
+    """``jobs/study.py``: the study (:func:`training.study.run_study`), then both figures from its table."""
+    from training.study import run_study
+
+    table = run_study(cfg)
+    return {**table, "figures": [str(p) for p in write_figures(table, cfg.output)]}
+
+
 def study_of(run: Run, store: Store) -> Run | None:
     """The study whose cell ``run`` is: the study run it is linked to (nested, or by tag across experiments)."""
     for parent in (run.parent, run.tags.get(tracking.TAG_PARENT_RUN)):
@@ -64,7 +72,7 @@ def studies(store: Store, runs: list[Run], experiments: list[str], run_ids: list
 
 
 def cells(store: Store, study: Run) -> list[Run]:
-    """A study's pre-training runs, in the order they started; a cell resumed after a kill keeps its run."""
+    """A study's pre-training runs, a killed or failed cell's too, in the order they started."""
     return sorted((r for r in store.runs.values() if r.stage == "pretrain" and study_of(r, store) is study),
                   key=lambda r: r.start)
 
