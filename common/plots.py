@@ -198,3 +198,84 @@ def dedup_bars(rows: list[dict], test_sets: list[str]) -> bytes | None:
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     return png(fig)
+
+
+# The paper's three model families (Figure 5), told apart by the variant's name as vitcore decodes it.
+FAMILY_MARKERS = {"ViT": "o", "ResNet": "s", "hybrid": "^"}
+
+
+def model_family(model: str) -> str:
+    """``ResNet`` for a BiT ResNet (``BiT-R50x1``), ``hybrid`` for a ResNet stem under a ViT (``R50+B/16``), else ``ViT``."""
+    if model.startswith("BiT-"):
+        return "ResNet"
+    return "hybrid" if "+" in model else "ViT"
+
+
+def _shot_keys(rows: list[dict]) -> list[str]:
+    keys = {k for r in rows for k, v in r.items() if k.endswith("shot_accuracy") and v is not None}
+    return sorted(keys, key=lambda k: int(k.split("shot")[0]))
+
+
+def _study_axes(rows: list[dict], title: str):
+    """One panel per shot count that any cell scored; None when no cell has a few-shot score."""
+    shots = _shot_keys(rows)
+    if not shots:
+        return None, None, shots
+    plt = pyplot()
+    from matplotlib import ticker
+
+    cols = 2 if len(shots) == 4 else len(shots)
+    rows = (len(shots) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(5.0 * cols + 1.5, 4.2 * rows), squeeze=False)
+    for ax, key in zip(axes.flat, shots):
+        ax.set_title(f"{key.split('shot')[0]}-shot linear", fontsize=10)
+        ax.set_ylabel(f"best {key.split('shot')[0]}-shot accuracy")
+        ax.set_xscale("log")
+        # Plain tick labels: the default ones are mathtext, which pyplot() turns off.
+        ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.grid(alpha=0.3, which="both")
+    fig.suptitle(title, fontsize=10)
+    return fig, list(axes.flat), shots
+
+
+def study_by_images(rows: list[dict], title: str = "best few-shot accuracy against pre-training images") -> bytes | None:
+    """Figure 4: each model's best few-shot accuracy against its training images, one line per model,
+    log x axis, one panel per shot count. ``rows`` are a study table's (``model``, ``images``, ``<k>shot_accuracy``)."""
+    rows = [r for r in rows if r.get("images")]
+    fig, axes, shots = _study_axes(rows, title)
+    if fig is None:
+        return None
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for ax, key in zip(axes, shots):
+        for colour, model in zip(colours(len(models)), models):
+            points = sorted((r["images"], r[key]) for r in rows if r["model"] == model and r.get(key) is not None)
+            if points:
+                ax.plot(*zip(*points), "-", marker=FAMILY_MARKERS[model_family(model)], color=colour,
+                        label=f"{model} ({model_family(model)})")
+        ax.set_xlabel("pre-training images (training rows of the subset)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return png(fig)
+
+
+def study_by_compute(rows: list[dict], title: str = "best few-shot accuracy against pre-training compute") -> bytes | None:
+    """Figure 5: each cell's best few-shot accuracy against its exaFLOPs, the marker its family (ViT,
+    ResNet, hybrid) and the colour its model, log x axis, one panel per shot count. Rows without
+    exaFLOPs (a table rebuilt from a stopped study's cells) are left out."""
+    rows = [r for r in rows if r.get("exaflops")]
+    fig, axes, shots = _study_axes(rows, title)
+    if fig is None:
+        return None
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    for ax, key in zip(axes, shots):
+        for colour, model in zip(colours(len(models)), models):
+            points = sorted((r["exaflops"], r[key]) for r in rows if r["model"] == model and r.get(key) is not None)
+            if points:
+                ax.plot(*zip(*points), linestyle="none", marker=FAMILY_MARKERS[model_family(model)], markersize=8,
+                        color=colour, label=f"{model} ({model_family(model)})")
+        ax.set_xlabel("pre-training exaFLOPs")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return png(fig)

@@ -10,11 +10,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common.cli import run_job  # noqa: E402
-from training.study import StudyConfig, run_study  # noqa: E402
+from reports.study import run_and_draw  # noqa: E402
+from training.study import StudyConfig  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_job(StudyConfig, run_study, argv, prog="study")
+    # The study, then Figures 4 and 5 beside study_table.json and on the study's parent run.
+    return run_job(StudyConfig, run_and_draw, argv, prog="study")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ import posixpath
 from common.tracking import TAG_INPUT_DATA, TAG_INPUT_MANIFEST, TAG_NOT_RECIPE
 from reports.lineage import LineageIndex, set_name
 from reports.store import STAGES, Run, Store
+from reports.study import study_section
 
 GROUPS = ("natural", "specialized", "structured")
 # Tags (from the tracking scheme) that say what a run was made of; compared like params.
@@ -340,11 +341,17 @@ def lineage_section(store: Store, runs: list[Run], lineage: LineageIndex) -> lis
     return out
 
 
-def build(store: Store, runs: list[Run]) -> dict:
+def build(store: Store, runs: list[Run], studies: list[Run] = ()) -> dict:
+    """Every section's data. A study's cells are compared in its own section, by its measure (best
+    few-shot accuracy against images and compute), not ranked against each other as unrelated runs."""
     lineage = LineageIndex(store)
+    study_data = study_section(store, list(studies))
+    cell_of = {c.id: s["run"] for s in study_data for c in s["cells"]}
     return {
         "runs": runs,
-        "rankings": rank(store, runs, lineage),
+        "rankings": rank(store, [r for r in runs if r.id not in cell_of], lineage),
+        "studies": study_data,
+        "cell_of": cell_of,
         "pretrain": pretrain_section(store, runs),
         "finetune": finetune_section(store, runs),
         "vtab": vtab_section(store, runs),

@@ -6,6 +6,7 @@ import datetime
 import html
 from typing import Any
 
+from common.plots import model_family
 from reports.compare import GROUPS, Ranking
 from reports.store import Run
 
@@ -22,7 +23,8 @@ img{max-width:100%;border:1px solid #eee} .none{color:#888;font-style:italic} de
 nav a{margin-right:1em}
 """
 
-SECTIONS = (("summary", "Which run is better, and why"), ("pretraining", "Pre-training curves"),
+SECTIONS = (("summary", "Which run is better, and why"), ("study", "Scaling studies"),
+            ("pretraining", "Pre-training curves"),
             ("finetuning", "Fine-tuning per learning rate"), ("vtab", "VTAB"), ("fewshot", "Few-shot"),
             ("dedup", "De-duplication against test sets"), ("lineage", "Lineage"))
 
@@ -96,7 +98,69 @@ def _ranking(r: Ranking) -> str:
                f"<table>{same}</table></details>" if r.same else ""))
 
 
-def _pretraining(section: dict, png: bytes | None) -> str:
+def _cells_note(data: dict) -> str:
+    """Which selected pre-training runs are a study's cells, and where they are compared instead."""
+    cell_of = data.get("cell_of", {})
+    notes = []
+    for s in data.get("studies", []):
+        n = sum(cell_of.get(r.id) is s["run"] for r in data["runs"])
+        if n:
+            notes.append(f'<div class="verdict">{n} pre-training run{"s are cells" if n > 1 else " is a cell"} of study '
+                         f"{e(s['run'].label)} (model × data fraction): compared in its section, by best few-shot "
+                         "accuracy against images and exaFLOPs, not ranked here.</div>")
+    return "\n".join(notes)
+
+
+def _shots(rows: list[dict]) -> list[str]:
+    return sorted({k[:-len("shot_accuracy")] for r in rows for k in r if k.endswith("shot_accuracy")}, key=int)
+
+
+def _study_verdict(rows: list[dict], shots: list[str]) -> str:
+    """Which model leads at the smallest and at the largest fraction, on the most shots (the paper's reading)."""
+    key = f"{shots[-1]}shot_accuracy" if shots else ""
+    scored = [r for r in rows if r.get(key) is not None]
+    if not scored:
+        return "No cell has a few-shot score yet."
+    lines = []
+    for fraction in sorted({min(r["fraction"] for r in scored), max(r["fraction"] for r in scored)}):
+        at = sorted((r for r in scored if r["fraction"] == fraction), key=lambda r: r[key], reverse=True)
+        lead = f"{at[0]['model']} leads with {at[0][key]:.3f}"
+        rest = ", ".join(f"{r['model']} {r[key]:.3f}" for r in at[1:])
+        lines.append(f"at fraction {fraction:g} ({num(at[0].get('images'))} images) {lead}"
+                     + (f" (then {rest})" if rest else ", the only model scored there"))
+    return f"Best {shots[-1]}-shot accuracy, " + "; ".join(lines) + "."
+
+
+def _studies(entries: list[dict]) -> str:
+    if not entries:
+        return none("No scaling study (jobs/study.py) in the selection.")
+    out = []
+    for ent in entries:
+        rows, shots = ent["rows"], _shots(ent["rows"])
+        label_of = {c.id: c.label for c in ent["cells"]}
+        body = [[td(r["model"]), td(model_family(r["model"])), td(f"{r['fraction']:g}", numeric=True),
+                 td(r.get("images"), numeric=True), td(r.get("steps"), numeric=True),
+                 td("—" if r.get("exaflops") is None else f"{r['exaflops']:.3g}", numeric=True)]
+                + [c for k in shots for c in (td(r.get(f"{k}shot_accuracy"), numeric=True),
+                                              td(r.get(f"{k}shot_step"), numeric=True))]
+                + [td(label_of.get(r.get("mlflow_run_id"), r.get("mlflow_run_id") or "—"))] for r in rows]
+        head = ["model", "family", "fraction", "images", "steps", "exaFLOPs"] + [
+            h for k in shots for h in (f"best {k}-shot", "at step")] + ["cell run"]
+        states = ", ".join(f"{sum(c.status == st for c in ent['cells'])} {st.lower()}"
+                           for st in dict.fromkeys(c.status for c in ent["cells"]))
+        source = ("The table the study logged when it ended." if ent["from_artifact"] else
+                  "The study has not logged its table (it is running, or was stopped): rebuilt from its finished "
+                  "cells' metrics; the exaFLOPs come with the table it logs at its end.")
+        out.append(f"<h3>{e(ent['run'].label)} <span class='meta'>{e(ent['run'].experiment)} · "
+                   f"{len(ent['cells'])} cell runs ({e(states or 'none')})</span></h3>"
+                   f'<div class="verdict">{e(_study_verdict(rows, shots))}</div>'
+                   + table(head, body) + f"<p>{e(source)} Images: the training rows of the cell's nested subset; "
+                   "exaFLOPs: vitcore's training FLOPs per image × images seen.</p>"
+                   + "".join(img(png, name) for name, png in ent["figures"].items()))
+    return "\n".join(out)
+
+
+def _pretraining(section: dict, png: bytes | None, cell_of: dict[str, Run] | None = None) -> str:
     runs = section["runs"]
     if not runs:
         return none("No pre-training runs in the selection.")
@@ -105,10 +169,13 @@ def _pretraining(section: dict, png: bytes | None) -> str:
     keys = [k for k in keys if any(k in r.metrics for r in runs)]
     params = ["variant", "depth", "img_size", "epochs", "batch_size", "lr", "num_workers", "data"]
     params = [p for p in params if any(p in r.params for r in runs)]
-    rows = [[run_cell(r)] + [td(r.metrics.get(k), numeric=True) for k in keys] + [td(r.params.get(p, "—")) for p in params]
+    cell_of = cell_of or {}
+    studied = any(r.id in cell_of for r in runs)
+    rows = [[run_cell(r)] + ([td(cell_of[r.id].label if r.id in cell_of else "—")] if studied else [])
+            + [td(r.metrics.get(k), numeric=True) for k in keys] + [td(r.params.get(p, "—")) for p in params]
             for r in runs]
-    return (img(png, "pre-training curves") +
-            "<p>Final values (the last logged point of each metric):</p>" + table(["run"] + keys + params, rows))
+    return (img(png, "pre-training curves") + "<p>Final values (the last logged point of each metric):</p>"
+            + table(["run"] + (["cell of study"] if studied else []) + keys + params, rows))
 
 
 def _finetuning(entries: list[dict], pngs: dict[str, bytes | None]) -> str:
@@ -223,8 +290,10 @@ def render(data: dict, plots: dict[str, Any], *, store_uri: str, selection: str)
         stages[r.stage] = stages.get(r.stage, 0) + 1
     counts = ", ".join(f"{n} {s}" for s, n in stages.items())
     body = {
-        "summary": "\n".join(_ranking(r) for r in rankings) or none("No finished pretrain, finetune, vtab or fewshot runs to rank."),
-        "pretraining": _pretraining(data["pretrain"], plots.get("pretrain_curves")),
+        "summary": _cells_note(data) + ("\n".join(_ranking(r) for r in rankings)
+                                         or none("No finished pretrain, finetune, vtab or fewshot runs to rank.")),
+        "study": _studies(data.get("studies", [])),
+        "pretraining": _pretraining(data["pretrain"], plots.get("pretrain_curves"), data.get("cell_of", {})),
         "finetuning": _finetuning(data["finetune"], plots.get("finetune", {})),
         "vtab": _vtab(data["vtab"], plots.get("vtab")),
         "fewshot": _fewshot(data["fewshot"]),

@@ -12,7 +12,7 @@ from common import plots, tracking
 from common.config import InputError
 from common.fs import atomic_write
 from common.jobenv import durable_path, is_url
-from reports import compare, html
+from reports import compare, html, study
 from reports.store import STAGES, Store, open_store
 
 REPORT_FILE = "report.html"
@@ -81,20 +81,22 @@ def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict
     store = open_store(uri)
     _check_selection(store, cfg)
     runs = compare.selection(store, list(cfg.experiment), list(cfg.run_id))
-    if not runs:
+    studies = study.studies(store, runs, list(cfg.experiment), list(cfg.run_id))
+    if not runs and not studies:
         what = ("the selection " + " ".join([*(f"--experiment {x}" for x in cfg.experiment),
                                               *(f"--run-id {x}" for x in cfg.run_id)])
                 if cfg.experiment or cfg.run_id else uri)
         raise InputError(f"{what} holds no {', '.join(STAGES)} runs to report on; run a stage first "
                          "(jobs/demo.py runs them all) or select other runs")
-    data = compare.build(store, runs)
+    data = compare.build(store, runs, studies)
     figures = make_plots(data)
     chosen = (", ".join([*(f"experiment {x}" for x in cfg.experiment), *(f"run {x}" for x in cfg.run_id)])
               or "every experiment")
     page = html.render(data, figures, store_uri=uri, selection=chosen)
     atomic_write(output, page)
     pngs = {"pretrain_curves": figures["pretrain_curves"], "vtab": figures["vtab"], "dedup": figures["dedup"],
-            **{f"finetune {g}": png for g, png in figures["finetune"].items()}}
+            **{f"finetune {g}": png for g, png in figures["finetune"].items()},
+            **{f"study {s['run'].id[:8]} {n.removesuffix('.png')}": png for s in data["studies"] for n, png in s["figures"].items()}}
     with tracking.start_run("report", params={"experiment": list(cfg.experiment), "run_id": list(cfg.run_id),
                                               "output": str(output)},
                             run_name="report " + (chosen if len(chosen) < 200 else f"{len(runs)} runs"),
@@ -105,7 +107,7 @@ def run_report(cfg: ReportConfig, *, tags: dict[str, str] | None = None) -> dict
             if png:
                 slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
                 _log_bytes(png, f"plots/{slug}.png")
-    return {"output": str(output), "runs": len(runs), "stages": {s: sum(r.stage == s for r in runs) for s in STAGES},
+    return {"output": str(output), "runs": len(runs), "studies": [s.id for s in studies], "stages": {s: sum(r.stage == s for r in runs) for s in STAGES},
             "rankings": [{"group": r.title, "metric": r.metric, "best": r.runs[0].id, "verdict": r.verdict}
                          for r in data["rankings"]],
             "mlflow_run_id": run.info.run_id}
