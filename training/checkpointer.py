@@ -135,6 +135,24 @@ def scan_run(run_dir: Path, known: Iterable[str], *, verify: bool = False) -> Sc
     return Scan(newest, record, removed, bad)
 
 
+def has_peers() -> bool:
+    """Whether this process is one rank of a process group of several."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank; ``obj`` itself outside a process group."""
+    import torch.distributed as dist
+
+    if not has_peers():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def gather(obj: Any) -> list:
     """``obj`` from every rank, in rank order; ``[obj]`` outside a process group."""
     import torch.distributed as dist
@@ -226,31 +244,69 @@ class Checkpointer:
         return step % self.every == 0 if self.every else offset == self.steps_per_epoch
 
     def load(self, trainer) -> None:
-        """Restore ``trainer`` from Ray Train's latest checkpoint of this run, if there is one."""
+        """Restore ``trainer`` from Ray Train's latest checkpoint of this run, if there is one.
+
+        With several ranks, rank 0 alone reads the state file into host memory; the other ranks get
+        its small fields in one broadcast and each tensor of the model, optimiser and average from
+        rank 0, onto their device (:meth:`training.trainer.Trainer.load_state_dict`). A read that
+        fails on rank 0 fails every rank, with its message.
+        """
+        ckpt = self._latest(trainer)
+        if ckpt:
+            self.restore(trainer, ckpt)
+
+    def restore(self, trainer, ckpt) -> None:
+        """Restore ``trainer`` from the Ray Train checkpoint ``ckpt`` (see :meth:`load`)."""
+        spread = has_peers()
+        reader = self.rank == 0 or not spread
+        state, failed = {}, None
+        if reader:
+            try:
+                with ckpt.as_directory() as d:
+                    state = self._read(Path(d), trainer)
+            except Exception as exc:  # the other ranks wait on rank 0's broadcast: tell them first
+                if not spread:
+                    raise
+                failed = exc
+        told = None if failed is None else (isinstance(failed, ConfigError), str(failed))
+        small = broadcast({**small_state(state), "failed": told})
+        if failed is not None:
+            raise failed
+        if small["failed"]:
+            is_config, message = small["failed"]
+            raise ConfigError(message) if is_config else RuntimeError(f"rank 0 could not restore {ckpt.path}: {message}")
+        if not reader:  # the best step's scores; rank 0 keeps its model
+            trainer.best.load_state_dict(small.get("best_fewshot"), Path(ckpt.path), rank=self.rank)
+        trainer.load_state_dict(state if reader else small)
+        trainer.position.load_state_dict(small, self.rank)
+        set_rng_states(small.get("rng", {}), self.rank, self.world, trainer.device)
+
+    def _latest(self, trainer):
+        """The checkpoint to restore: the driver's pick from disk (see scan_run), unless this fit has
+        checkpointed since; Ray's pick is newer than the driver's only when this fit wrote it, or
+        when it failed its sha256."""
         import ray.train
-        import torch
 
         ckpt = ray.train.get_checkpoint()
-        # The driver's pick from disk (see scan_run) unless this fit has checkpointed since.
-        # Ray's pick is newer than the driver's only when this fit wrote it, or when it failed its sha256.
         on_disk = trainer.run.get("resume_from")
         skip = set(trainer.run.get("resume_skip", ()))
         if on_disk and (not ckpt or _step_of(ckpt) < trainer.run.get("resume_step", 0)
                         or Path(ckpt.path).name in skip):
             ckpt = ray.train.Checkpoint(on_disk)
-        if not ckpt:
-            return
-        with ckpt.as_directory() as d:
-            # Tensors and plain types only: nothing from storage is unpickled as code.
-            state = torch.load(Path(d) / TRAIN_STATE, map_location="cpu", weights_only=True)
-            if state.get("format") != STATE_FORMAT:
-                raise ConfigError(f"run_name {self.cfg.run_name!r}: the checkpoint's state is {state.get('format')!r}, "
-                                  f"not {STATE_FORMAT!r}; use a new --run-name or --output to start fresh")
-            check_resumable(state["cfg"], dataclasses.asdict(self.cfg), free_on_resume(self.cfg), off_values(self.cfg))
-            trainer.best.load_state_dict(state.get("best_fewshot"), Path(d), rank=self.rank)
-        trainer.load_state_dict(state)
-        trainer.position.load_state_dict(state, self.rank)
-        set_rng_states(state.get("rng", {}), self.rank, self.world, trainer.device)
+        return ckpt
+
+    def _read(self, folder: Path, trainer) -> dict:
+        """The state in ``folder``, checked against this run's config; the best few-shot model too."""
+        import torch
+
+        # Tensors and plain types only: nothing from storage is unpickled as code.
+        state = torch.load(folder / TRAIN_STATE, map_location="cpu", weights_only=True)
+        if state.get("format") != STATE_FORMAT:
+            raise ConfigError(f"run_name {self.cfg.run_name!r}: the checkpoint's state is {state.get('format')!r}, "
+                              f"not {STATE_FORMAT!r}; use a new --run-name or --output to start fresh")
+        check_resumable(state["cfg"], dataclasses.asdict(self.cfg), free_on_resume(self.cfg), off_values(self.cfg))
+        trainer.best.load_state_dict(state.get("best_fewshot"), folder, rank=self.rank)
+        return state
 
     def save(self, trainer, metrics: dict) -> None:
         """Report ``metrics`` to Ray Train with a checkpoint. Every rank calls it (gathering the
@@ -279,6 +335,19 @@ class Checkpointer:
                 checkpoint = ray.train.Checkpoint.from_directory(d)
             ray.train.report({**metrics, "data_epoch": position.epoch, "data_offset": position.offset,
                               "rows_seen": seen[0], "rows_sum": seen[1], "rows_sumsq": seen[2]}, checkpoint=checkpoint)
+
+
+# The state's fields that hold whole-model tensors: rank 0 broadcasts them tensor by tensor.
+TENSOR_FIELDS = ("model", "optimizer", "ema")
+
+
+def small_state(state: dict) -> dict:
+    """``state`` less its whole-model tensors (the average's update count kept): what rank 0
+    broadcasts to the other ranks in one message."""
+    small = {k: v for k, v in state.items() if k not in TENSOR_FIELDS}
+    if "ema" in state:
+        small["ema"] = {"updates": state["ema"]["updates"]}
+    return small
 
 
 def _step_of(ckpt) -> int:

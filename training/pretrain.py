@@ -712,17 +712,22 @@ def _in_thread(fit: Any) -> Any:
 
 def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id: str, total_steps: int,
              restarts: int) -> dict[str, Any]:
-    """The final checkpoint's model copied beside the summary, and the summary."""
+    """The final checkpoint's model copied beside the summary, and the summary. Its ``sha256``
+    holds each model file's digest, which the stages given one as ``--pretrained`` check."""
     from training.best import BEST_MODEL_FILE, summary_record
+    from training.checkpointer import sha256_of
     from training.ray_utils import copy_final_model
 
     model_path = copy_final_model(result, output)
+    digests = {model_path.name: sha256_of(model_path)}
     metrics = {k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}
     steps = int(metrics.get("step", 0))
     best = summary_record(metrics)
     if best is not None:  # Section 4.3's early stopping: the model of the best few-shot step, beside the final one
-        best["model"] = str(copy_final_model(result, output, BEST_MODEL_FILE))
-    return {"metrics": metrics, "model": str(model_path), "mlflow_run_id": run_id, **({"best_fewshot": best} if best else {}),
+        best_path = copy_final_model(result, output, BEST_MODEL_FILE)
+        best["model"], digests[best_path.name] = str(best_path), sha256_of(best_path)
+    return {"metrics": metrics, "model": str(model_path), "sha256": digests, "mlflow_run_id": run_id,
+            **({"best_fewshot": best} if best else {}),
             "label_map": shards.label_map, "objective": cfg.objective, "steps": steps,
             "planned_steps": total_steps, "restarts": restarts, "checkpoint": result.checkpoint.path,
             "data_position": {"epoch": int(metrics.get("data_epoch", 0)),

@@ -30,7 +30,7 @@ from common.tracking_queue import SPOOL_DIR
 from training import randaugment
 from training.augment import device_batch
 from training.best import BestFewshot
-from training.checkpointer import Checkpointer, DataPosition, gather
+from training.checkpointer import Checkpointer, DataPosition, gather, has_peers
 from training.data import (
     ShardCropDataset,
     ShardImageDataset,
@@ -156,12 +156,20 @@ class Trainer:
                 "step": self.step, **({"ema": self.ema.state_dict()} if self.ema else {})}
 
     def load_state_dict(self, state: dict) -> None:
-        full = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(self.dist_model, state["model"], options=full)
-        set_optimizer_state_dict(self.dist_model, self.opt, state["optimizer"], options=full)
+        """The model, optimiser, average and step of a checkpoint's ``state``. With several ranks,
+        rank 0 alone holds the tensors and broadcasts them; the other ranks pass the state without
+        them (:func:`training.checkpointer.small_state`)."""
+        spread = has_peers()
+        full = StateDictOptions(full_state_dict=True, broadcast_from_rank0=spread)
+        set_model_state_dict(self.dist_model, state.get("model", {}), options=full)
+        set_optimizer_state_dict(self.dist_model, self.opt, state.get("optimizer", {}), options=full)
         self.step = int(state["step"])
         if self.ema is not None:
-            self.ema.load_state_dict(state["ema"])
+            if spread:
+                set_model_state_dict(self.ema.model, state["ema"].get("model", {}), options=full)
+                self.ema.updates = int(state["ema"]["updates"])
+            else:
+                self.ema.load_state_dict(state["ema"])
 
     def plain_model(self, model_sd: dict) -> torch.nn.Module:
         """The model file's ViT or BiT ResNet from a whole state dict: MPP's backbone without its patch head."""

@@ -14,6 +14,7 @@ here, and a ``--help`` or a refused flag should not wait for torch to load.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import time
 from pathlib import Path
@@ -43,7 +44,27 @@ def pretrained_file(value: str) -> Path:
     except (CheckpointMismatch, FileNotFoundError) as exc:
         raise ConfigError(f"pretrained: {_one_line(exc)} (expected the {MODEL_FILE} that jobs/pretrain.py or "
                           "vitcore.save_checkpoint writes)") from None
+    check_recorded_sha256(path)
     return path
+
+
+def check_recorded_sha256(path: Path) -> None:
+    """Refuse a model file whose bytes differ from the sha256 a record beside it holds: pre-training's
+    summary, or the ``checkpoint.json`` of the checkpoint folder it sits in. A file with neither passes."""
+    from training.checkpointer import RECORD, sha256_of
+    from training.pretrain import SUMMARY
+
+    for name in (SUMMARY, RECORD):
+        try:
+            recorded = json.loads((path.parent / name).read_text())["sha256"][path.name]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        actual = sha256_of(path)
+        if actual != recorded:
+            raise ConfigError(f"pretrained: {path} does not match the sha256 {path.parent / name} records for it "
+                              f"(record {str(recorded)[:12]}…, file {actual[:12]}…); copy the file again from where "
+                              "pretrain wrote it, or re-run pretrain")
+        return
 
 
 def _one_line(exc: BaseException) -> str:

@@ -5,6 +5,7 @@ Each entrypoint runs as its own process in ``test_help`` (and where the test is 
 process); a test about a refusal's message calls the job's ``main(argv)`` in this process, which
 parses, refuses and exits the same way without paying for a fresh interpreter's imports
 (the ``job_main`` fixture)."""
+import json
 import os
 import subprocess
 import sys
@@ -159,6 +160,22 @@ def test_a_pretrained_file_that_is_not_a_checkpoint_is_refused_before_ray(job, f
     assert "model.safetensors that jobs/pretrain.py" in error_lines(out, job)[0]
     assert "Ray" not in out.stderr and not (tmp_path / "out").exists()
 
+
+
+@pytest.mark.parametrize("job", ["finetune", "vtab", "fewshot"])
+def test_a_pretrained_model_that_fails_its_recorded_sha256_is_refused_before_ray(job, tiny_shards, tmp_path, job_main,
+                                                                                 build_pretrained):
+    (tmp_path / "pre").mkdir()
+    model = build_pretrained(tmp_path / "pre" / "model.safetensors", img_size=32, representation_size=16)
+    (tmp_path / "pre" / "pretrain_summary.json").write_text(json.dumps({"sha256": {"model.safetensors": "0" * 64}}))
+    data = {"finetune": ["--train", str(tiny_shards), "--test", str(tiny_shards)],
+            "vtab": ["--task", f"dtd={tmp_path}"], "fewshot": ["--task", f"dtd={tmp_path}"]}[job]
+    out = job_main(job, "--pretrained", str(tmp_path / "pre"), *data, "--output", str(tmp_path / "out"))
+    assert_one_line_exit_2(out, job, f"pretrained: {model} does not match the sha256 "
+                                     f"{tmp_path / 'pre' / 'pretrain_summary.json'} records for it (record 000000000000…, "
+                                     "file ")
+    assert "copy the file again from where pretrain wrote it, or re-run pretrain" in error_lines(out, job)[0]
+    assert "Ray" not in out.stderr and not (tmp_path / "out").exists()
 
 
 def _stage_args(job: str, shards, tmp_path) -> list[str]:

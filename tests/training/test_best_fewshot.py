@@ -68,6 +68,10 @@ def test_the_best_step_is_the_highest_recorded_score_and_survives_a_resume(photo
     at_step = vitcore.load_checkpoint(_checkpoints(out, "r")[best["step"]] / "model.safetensors").state_dict()
     _assert_same_weights(kept, at_step)
     assert vitcore.read_checkpoint(best["model"])[2] == vitcore.read_checkpoint(summary["model"])[2]  # labels too
+    # The summary holds both files' sha256: the stages given one as --pretrained check it.
+    from training.checkpointer import sha256_of
+
+    assert summary["sha256"] == {Path(m).name: sha256_of(Path(m)) for m in (summary["model"], best["model"])}
 
     # Scoring, keeping the best and checkpointing leave training as it was (dropout's random stream
     # included): the same run without scoring, never cut, ends on the same weights as the cut one.

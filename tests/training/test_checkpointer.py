@@ -92,3 +92,72 @@ def test_a_checkpoint_whose_bytes_changed_is_passed_over_for_the_one_before(tmp_
     (old / "train_state.pt").unlink()
     with pytest.raises(ConfigError, match=r"no checkpoint of run .* matches the sha256 .*checkpoint_3, .*checkpoint_2"):
         scan_run(tmp_path, known=[], verify=True)
+
+
+def _restore_on_rank(rank: int, tmp: str) -> None:
+    """One of two gloo ranks: save a trained state (rank 0), then restore it into other weights."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    import ray.train
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.nn.parallel import DistributedDataParallel
+
+    import vitcore
+    from training.best import BestFewshot
+    from training.checkpointer import STATE_FORMAT, TRAIN_STATE
+    from training.ema import Polyak
+    from training.step import adamw
+    from training.trainer import Trainer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=2)
+    cfg = PretrainConfig(data="shards", variant="Ti/8", depth=1, img_size=32, ema_decay=0.9)
+    whole = StateDictOptions(full_state_dict=True)
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = vitcore.create_model("Ti/8", num_classes=3, img_size=32, depth=1)
+        ddp = DistributedDataParallel(model)
+        return model, ddp, adamw(ddp, lr=1e-3, weight_decay=0.05, fused=False)
+
+    model, ddp, opt = build(1)
+    ddp(torch.randn(2, 3, 32, 32)).sum().backward()
+    opt.step()
+    ema = Polyak(model, 0.9)
+    ema.update(model)
+    saved = {"model": get_model_state_dict(ddp, options=whole), "optimizer": get_optimizer_state_dict(ddp, opt, options=whole)}
+    rng = [torch.manual_seed(100 + r).get_state() for r in range(2)]
+    folder = Path(tmp) / "checkpoint_000003"
+    if rank == 0:
+        folder.mkdir()
+        torch.save({"format": STATE_FORMAT, **saved, "step": 3, "ema": ema.state_dict(), "epoch": 1, "offset": 2,
+                    "rows_seen": [4.0, 10.0, 30.0], "rng": {"cpu": rng}, "best_fewshot": None,
+                    "cfg": dataclasses.asdict(cfg)}, folder / TRAIN_STATE)
+    dist.barrier()
+
+    target, ddp, opt = build(2)
+    trainer = Trainer.__new__(Trainer)
+    trainer.__dict__.update(cfg=cfg, rank=rank, world=2, device=torch.device("cpu"), dist_model=ddp, opt=opt,
+                            ema=Polyak(target, 0.9), best=BestFewshot(), position=DataPosition(4), step=0, run={})
+    # Rank 1 is handed a folder that does not exist: it must read nothing, and take all from rank 0.
+    where = folder if rank == 0 else Path(tmp) / "only-rank-0-reads"
+    Checkpointer(cfg, steps_per_epoch=4, total_steps=10, rank=rank, world=2).restore(trainer, ray.train.Checkpoint(str(where)))
+    restored = {"model": get_model_state_dict(ddp, options=whole), "optimizer": get_optimizer_state_dict(ddp, opt, options=whole)}
+    torch.testing.assert_close(restored["model"], saved["model"], rtol=0, atol=0)
+    torch.testing.assert_close(restored["optimizer"]["state"], saved["optimizer"]["state"], rtol=0, atol=0)
+    groups = [json.loads(json.dumps(d["optimizer"]["param_groups"])) for d in (restored, saved)]
+    assert groups[0] == groups[1]  # rank 1's betas come as a list, rank 0's as a tuple: the same to AdamW
+    torch.testing.assert_close(trainer.ema.model.state_dict(), ema.model.state_dict(), rtol=0, atol=0)
+    assert (trainer.step, trainer.ema.updates, trainer.position.epoch, trainer.position.offset) == (3, 1, 1, 2)
+    assert torch.equal(torch.get_rng_state(), rng[rank])
+    dist.destroy_process_group()
+
+
+def test_a_resume_on_two_ranks_reads_the_state_on_rank_0_and_gives_every_rank_its_tensors(tmp_path):
+    # Every rank used to load the whole model and optimiser state from the file into host memory.
+    import torch.multiprocessing as mp
+
+    mp.spawn(_restore_on_rank, args=(str(tmp_path),), nprocs=2)

@@ -171,3 +171,28 @@ def test_killed_sweep_resumes_without_rerunning_finished_trials(small_demo, tmp_
     assert not [r for r in runs if r.info.status == "RUNNING"]
     assert [t["lr"] for t in summary["trials"]] == lrs
     assert summary["selected_val_accuracy"] == max(t["val_accuracy"] for t in summary["trials"])
+
+
+def test_a_final_model_that_fails_its_sha256_is_refused_in_one_line_naming_the_fix(
+        tiny_shards, tmp_path, build_pretrained, job_main, ray_session, mlflow_store):
+    from training.checkpointer import sha256_of
+
+    pretrained = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
+    out = tmp_path / "out"
+    args = ["--train", str(tiny_shards), "--test", str(tiny_shards), "--pretrained", str(pretrained), "--output",
+            str(out), "--lrs", "0.1", "--steps", "2", "--batch-size", "4", "--warmup-steps", "1", "--val-fraction", "0.25"]
+    assert job_main("finetune", *args).returncode == 0
+    [checkpoint] = (out / "ray" / "final").glob("*/checkpoint_*")
+    record = json.loads((checkpoint / "checkpoint.json").read_text())
+    assert record["sha256"] == {"model.safetensors": sha256_of(out / "model.safetensors")}
+
+    (out / "finetune_summary.json").unlink()  # killed after the final trial, before its summary was written
+    data = bytearray((checkpoint / "model.safetensors").read_bytes())
+    data[-100] ^= 0xFF  # a tensor's byte: the header still reads, so only the sha256 can tell
+    (checkpoint / "model.safetensors").write_bytes(bytes(data))
+    refused = job_main("finetune", *args)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert [line for line in refused.stderr.splitlines() if line.startswith("finetune: ")] == [
+        f"finetune: error: checkpoint: no checkpoint of finetune trial {checkpoint.parent.name} matches the sizes and sha256 "
+        f"its checkpoint.json records ({checkpoint}); remove {out / 'ray' / 'final'} and re-run the same command "
+        "to run that sweep's trials again"]

@@ -90,3 +90,32 @@ def test_layer_decay_gives_each_group_base_times_decay_to_the_layers_from_the_to
         assert group["lr"] == pytest.approx(0.2 * 0.5 ** (top - group["layer"]))
     assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
     assert [g["layer"] for g in opt.param_groups] == list(range(top + 1))
+
+
+def test_a_pretrained_model_is_checked_against_the_sha256_a_record_beside_it_holds(tmp_path, build_pretrained):
+    import json
+
+    from common.config import ConfigError
+    from training.checkpointer import sha256_of, write_record
+    from transfer.sgd import pretrained_file
+
+    model = build_pretrained(tmp_path / "model.safetensors", img_size=32, representation_size=16)
+    assert pretrained_file(str(tmp_path)) == model  # no record beside it: nothing to check against
+    (tmp_path / "pretrain_summary.json").write_text(json.dumps({"sha256": {"model.safetensors": sha256_of(model)}}))
+    assert pretrained_file(str(model)) == model
+    data = bytearray(model.read_bytes())
+    data[-100] ^= 0xFF  # a weight's byte: the header still reads
+    model.write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match=f"pretrained: {model} does not match the sha256 "
+                                          f"{tmp_path / 'pretrain_summary.json'} records for it"):
+        pretrained_file(str(model))
+
+    folder = tmp_path / "checkpoint_000004"  # a model taken from a checkpoint folder: its record is checkpoint.json
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    write_record(folder, ["model.safetensors"], 4)
+    assert pretrained_file(str(folder)) == folder / "model.safetensors"
+    data[-100] ^= 0xFF
+    (folder / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ConfigError, match="checkpoint_000004/checkpoint.json records for it"):
+        pretrained_file(str(folder))
