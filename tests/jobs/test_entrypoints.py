@@ -214,7 +214,7 @@ def test_a_reader_of_a_set_that_prepare_is_rewriting_is_refused_naming_it(job, t
 
     monkeypatch.setattr(locks, "READERS_WAIT_S", 0.1)
     shards = tmp_path / "set"
-    shutil.copytree(tiny_shards, shards)  # the session's set stays free for the tests beside this one
+    shutil.copytree(tiny_shards, shards, ignore=shutil.ignore_patterns(".readers*"))  # the session's set stays free
     data = _stage_args("vtab" if job == "fewshot" else job, shards, tmp_path)
     if job == "fewshot":
         data += ["--pretrained", str(build_pretrained(tmp_path / "m.safetensors", img_size=32, representation_size=None))]

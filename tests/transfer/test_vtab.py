@@ -170,7 +170,7 @@ def vtab_run(tasks, pretrained, tmp_path_factory, ray_session):
                      batch_size=16, microbatch=8, warmup_steps=1)
     try:
         summary = run_vtab(cfg)
-        yield {"summary": summary, "out": out, "home": home, "tasks": tasks}
+        yield {"summary": summary, "out": out, "home": home, "tasks": tasks, "cfg": cfg}
     finally:
         mp.undo()
 
@@ -231,3 +231,34 @@ def test_chosen_setting_is_the_best_on_val200_and_never_reads_test(vtab_run):
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert {"vtab_results.json", "vtab_results.png"} <= artifacts
     assert parent.data.metrics["vtab_mean"] == pytest.approx(results["mean"])
+
+
+def test_a_resume_on_a_task_split_replaced_since_the_sweep_started_is_refused_in_one_line(vtab_run, tmp_path,
+                                                                                          monkeypatch):
+    import dataclasses
+    import hashlib
+    import shutil
+
+    from common.locks import OWNER_FILE
+    from transfer.sweep import state_file
+
+    state = json.loads((vtab_run["out"] / state_file("vtab")).read_text())
+    for name, folder in vtab_run["tasks"].items():  # the sweep recorded the manifest of every split it read
+        for split in ("train800", "val200", "test"):
+            manifest = (Path(folder) / split / "manifest.json").read_bytes()
+            assert state["data"][f"{name}/{split}"]["manifest_sha256"] == hashlib.sha256(manifest).hexdigest()
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(vtab_run["out"] / OWNER_FILE, out)
+    then = "0" * 64  # the sweep started on another digits/train800: the set was replaced while it was stopped
+    now = state["data"]["digits/train800"]["manifest_sha256"]
+    state["data"]["digits/train800"]["manifest_sha256"] = then
+    (out / state_file("vtab")).write_text(json.dumps(state))
+    monkeypatch.setenv("VITSCALE_HOME", str(vtab_run["home"]))
+    with pytest.raises(ConfigError) as refused:
+        run_vtab(dataclasses.replace(vtab_run["cfg"], output=str(out)))
+    assert str(refused.value) == (
+        f"digits/train800 {state['data']['digits/train800']['url']}: its manifest.json is not the one this vtab "
+        f"sweep started on (sha256 {then[:16]}… then, {now[:16]}… now: the set was replaced); pass a new --output "
+        "to sweep it afresh, or pass --data-changed-ok to resume on the new data")
+    assert sorted(p.name for p in out.iterdir()) == sorted([OWNER_FILE, state_file("vtab")])  # nothing run
