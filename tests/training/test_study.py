@@ -1,6 +1,13 @@
 """jobs/study.py: a grid of pre-training cells under one parent run, few-shot scored on task folders,
 read as a table; a rerun redoes no cell."""
+import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import mlflow
 import pytest
@@ -10,6 +17,7 @@ from common.config import parse_args
 from training.study import StudyConfig, cell_configs, format_table, run_study
 from training.task_folders import SPLITS
 
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = "img_size: 32\nbatch_size: 4\nnum_workers: 1\nwarmup_steps: 1\nholdout: 0.1\nlog_every: 1\ndepth: 1\n"
 
 
@@ -93,3 +101,61 @@ def test_the_entrypoint_refuses_a_task_folder_without_a_test_split_in_one_line(j
                                                           "prepare it with: python jobs/vtab_prepare.py"), out.stderr
     assert not (tmp_path / "study_output").exists()
 
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the study's whole session at once: its process and the Ray it started."""
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getsid(int(entry)) == proc.pid:
+                os.kill(int(entry), signal.SIGKILL)
+        except OSError:
+            pass
+    proc.wait(timeout=60)
+
+
+def _recorded_run(cell: Path) -> str | None:
+    try:
+        return json.loads((cell / "pretrain_run.json").read_text()).get("mlflow_run_id")
+    except (OSError, ValueError):
+        return None
+
+
+def test_a_study_killed_in_its_second_cell_is_finished_by_the_same_command(tiny_shards, tmp_path, job_main,
+                                                                          ray_session, monkeypatch):
+    home, out = tmp_path / "home", tmp_path / "s"
+    (tmp_path / "r.yaml").write_text(RECIPE)
+    task = task_folder(tiny_shards, tmp_path / "tiny")
+    args = ["--data", str(tiny_shards), "--task", f"tiny={task}", "--config", str(tmp_path / "r.yaml"),
+            "--output", str(out), "--models", "mu/8", "--fractions", "0.5,1", "--shots", "1", "--budget", "steps",
+            "--steps", "3", "--fewshot-every", "1"]
+    env = dict(os.environ, VITSCALE_HOME=str(home), PYTHONPATH=str(REPO))
+    for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
+        env.pop(k, None)
+    first, second = out / "cells" / "mu8_f0.5", out / "cells" / "mu8_f1"
+    with open(tmp_path / "killed.err", "w") as err:
+        proc = subprocess.Popen([sys.executable, "jobs/study.py", *args], env=env, cwd=REPO, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+        try:
+            deadline = time.time() + 300
+            while time.time() < deadline and proc.poll() is None and not _recorded_run(second):
+                time.sleep(0.1)
+        finally:
+            _kill_session(proc)
+    killed = _recorded_run(second)
+    assert killed and not (second / "pretrain_summary.json").exists(), (tmp_path / "killed.err").read_text()[-3000:]
+    done = json.loads((first / "pretrain_summary.json").read_text())["mlflow_run_id"]
+
+    for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("VITSCALE_HOME", str(home))
+    rerun = job_main("study", *args)  # the same command, in this process on the session's Ray
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "cell 1/2 mu/8 at fraction 0.5: finished, skipped" in rerun.stderr
+    rows = json.loads((out / "study_table.json").read_text())["rows"]
+    assert [r["mlflow_run_id"] for r in rows] == [done, killed]  # the killed cell resumed into its own run
+    client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    cells = [r for r in runs if r.data.tags.get("vitscale.stage") == "pretrain"]
+    assert sorted(r.data.params["fraction"] for r in cells) == ["0.5", "1.0"]  # one run per cell
+    assert {r.info.status for r in cells} == {"FINISHED"}
+    assert len([r for r in runs if r.data.tags.get("vitscale.stage") == "study"]) == 1
