@@ -41,7 +41,7 @@ from common.progress import TTY_EVERY, ProgressLine, StepProgress, Ticker, progr
 from common.tracking_queue import SPOOL_DIR
 from pipelines.schema import MANIFEST, ShardSet, file_sha256, missing_manifest_hint, shard_set_record
 from training import run_artifacts
-from training.task_folders import check_task_folders, task_folders, task_records
+from training.task_folders import SPLITS, check_task_folders, task_folders, task_records
 
 DEFAULT_EPOCHS = 10
 DEFAULT_DROPOUT = 0.1
@@ -382,8 +382,15 @@ def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
     trained and the worker-group restarts."""
     # The sets it reads stay as they are for the run: a prepare replacing one, or a dedup, is refused.
-    with reading("pretrain", {"data": cfg.data, "fewshot_data": cfg.fewshot_data}):
+    with reading("pretrain", read_sets(cfg)):
         return _run_pretrain(cfg)
+
+
+def read_sets(cfg: PretrainConfig) -> dict[str, Any]:
+    """Every shard set the run reads, by flag (a task folder's splits as ``task/split``)."""
+    tasks = task_folders(cfg.fewshot_task, "fewshot_task")
+    return {"data": cfg.data, "fewshot_data": cfg.fewshot_data,
+            **{f"{name}/{split}": path / split for name, path in tasks.items() for split in SPLITS}}
 
 
 def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
@@ -497,8 +504,7 @@ def read_run_record(output: Path) -> dict:
 
 def data_digests(cfg: PretrainConfig) -> dict[str, dict]:
     """The sha256 of each shard set's manifest, by flag: a resume checks the run's data is the same."""
-    sets = {name: Path(path).expanduser() / MANIFEST for name, path in (("data", cfg.data),
-                                                                        ("fewshot_data", cfg.fewshot_data)) if path}
+    sets = {name: Path(path).expanduser() / MANIFEST for name, path in read_sets(cfg).items() if path}
     return {name: {"url": str(manifest.parent), "manifest_sha256": file_sha256(manifest)}
             for name, manifest in sets.items() if manifest.is_file()}
 

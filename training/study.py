@@ -23,7 +23,7 @@ from common.config import ConfigError, check, from_dict, load_file
 from common.fs import atomic_write, make_output_dir
 from common.locks import FolderLock, check_owner, check_same_data, claim_folder, reading
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
-from training.pretrain import SUMMARY, PretrainConfig, data_digests, read_run_record, run_pretrain
+from training.pretrain import SUMMARY, PretrainConfig, data_digests, read_run_record, read_sets, run_pretrain
 from training.task_folders import check_task_folders, task_folders, task_records
 
 STUDY_RECORD = "study.json"
@@ -146,7 +146,7 @@ def run_study(cfg: StudyConfig) -> dict[str, Any]:
     output = Path(cfg.output).expanduser().resolve()
     check_owner(output, "study")
     # Every cell reads the same sets: none is replaced between cells.
-    with reading("study", {"data": cfg.data, "fewshot_data": cfg.fewshot_data}), \
+    with reading("study", read_sets(cells[0])), \
             FolderLock(make_output_dir(output), "study"):
         claim_folder(output, "study")
         with _parent_run(cfg, output) as parent:
