@@ -23,7 +23,14 @@ import torch
 import vitcore
 
 REPO = Path(__file__).resolve().parents[1]
-PROJECT = ("common", "vitcore", "dedup", "pipelines", "training", "demo", "reports", "jobs", "benchmarks", "infra")
+PROJECT = ("common", "vitcore", "dedup", "pipelines", "training", "transfer", "demo", "reports", "jobs", "benchmarks",
+           "infra")
+# Reads that unpickle by design, each with the reason it is no wider a door than what already stands open.
+KNOWN = {
+    # Tune's grid state (basic-variant-state-*.json) is a pickle by Tune's own design, and Tune's
+    # Tuner.restore loads the same file: whoever can write the sweep folder can already run code.
+    ("transfer/tune_state.py", "cloudpickle.load"),
+}
 
 # Calls that turn bytes from a file into arbitrary objects.
 UNPICKLING = {
@@ -78,7 +85,8 @@ def project_files() -> list[Path]:
 def test_no_project_module_unpickles_what_it_reads():
     files = project_files()
     assert len(files) > 50
-    found = [hit for p in files for hit in unsafe_loads(p.read_text(), str(p.relative_to(REPO)))]
+    found = [hit for p in files for hit in unsafe_loads(p.read_text(), str(p.relative_to(REPO)))
+             if (hit.split(":")[0], hit.rsplit(": ", 1)[1]) not in KNOWN]
     assert not found, "unpickling loads (use safetensors, or torch.load(..., weights_only=True)):\n" + "\n".join(found)
 
 
