@@ -53,7 +53,7 @@ def build_shards(work: Path, per_shape: int, per_photo: int) -> tuple[Path, Path
 
 
 def study_argv(args, corpus: Path, fewshot: Path, output: Path) -> list[str]:
-    return ["--data", str(corpus), "--fewshot-data", str(fewshot), "--recipe", str(RECIPE), "--models", args.models,
+    return ["--data", str(corpus), "--fewshot-data", str(fewshot), "--config", str(RECIPE), "--models", args.models,
             "--fractions", args.fractions, "--budget", "steps", "--steps", str(args.steps),
             "--fewshot-every", str(args.fewshot_every), "--output", str(output)]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from pathlib import Path
 
 GROUP_COLOURS = {"natural": "#4c72b0", "specialized": "#dd8452", "structured": "#55a868"}
@@ -211,31 +212,44 @@ def model_family(model: str) -> str:
     return "hybrid" if "+" in model else "ViT"
 
 
-def _shot_keys(rows: list[dict]) -> list[str]:
-    keys = {k for r in rows for k, v in r.items() if k.endswith("shot_accuracy") and v is not None}
-    return sorted(keys, key=lambda k: int(k.split("shot")[0]))
+#: A study table's few-shot column: ``<k>shot_accuracy``, or ``<task>_<k>shot_accuracy`` for a ``--task``.
+SHOT_COLUMN = re.compile(r"(?:(.+)_)?(\d+)shot_accuracy")
+
+
+def shot_keys(rows: list[dict]) -> list[str]:
+    """A study table's scored few-shot columns, by task (none first), then shot count."""
+    keys = {k for r in rows for k, v in r.items() if SHOT_COLUMN.fullmatch(k) and v is not None}
+    return sorted(keys, key=lambda k: (SHOT_COLUMN.fullmatch(k).group(1) or "", int(SHOT_COLUMN.fullmatch(k).group(2))))
+
+
+def shot_name(key: str) -> str:
+    """``tiny 5-shot`` for ``tiny_5shot_accuracy``, ``5-shot`` for ``5shot_accuracy``."""
+    task, k = SHOT_COLUMN.fullmatch(key).groups()
+    return f"{task + ' ' if task else ''}{k}-shot"
 
 
 def _study_axes(rows: list[dict], title: str):
     """One panel per shot count that any cell scored; None when no cell has a few-shot score."""
-    shots = _shot_keys(rows)
+    shots = shot_keys(rows)
     if not shots:
         return None, None, shots
     plt = pyplot()
     from matplotlib import ticker
 
-    cols = 2 if len(shots) == 4 else len(shots)
+    cols = 2 if len(shots) == 4 else min(len(shots), 3)
     rows = (len(shots) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(5.0 * cols + 1.5, 4.2 * rows), squeeze=False)
     for ax, key in zip(axes.flat, shots):
-        ax.set_title(f"{key.split('shot')[0]}-shot linear", fontsize=10)
-        ax.set_ylabel(f"best {key.split('shot')[0]}-shot accuracy")
+        ax.set_title(f"{shot_name(key)} linear", fontsize=10)
+        ax.set_ylabel(f"best {shot_name(key)} accuracy")
         ax.set_xscale("log")
         # Plain tick labels: the default ones are mathtext, which pyplot() turns off.
         ax.xaxis.set_major_locator(ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
         ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.grid(alpha=0.3, which="both")
+    for ax in list(axes.flat)[len(shots):]:
+        ax.set_visible(False)
     fig.suptitle(title, fontsize=10)
     return fig, list(axes.flat), shots
 

@@ -6,7 +6,7 @@ import datetime
 import html
 from typing import Any
 
-from common.plots import model_family
+from common.plots import model_family, shot_keys, shot_name
 from reports.compare import GROUPS, Ranking
 from reports.store import Run
 
@@ -112,7 +112,8 @@ def _cells_note(data: dict) -> str:
 
 
 def _shots(rows: list[dict]) -> list[str]:
-    return sorted({k[:-len("shot_accuracy")] for r in rows for k in r if k.endswith("shot_accuracy")}, key=int)
+    """The few-shot columns' stems (``5``, ``digits_5``): ``<stem>shot_accuracy`` and ``<stem>shot_step``."""
+    return [k.removesuffix("shot_accuracy") for k in shot_keys(rows)]
 
 
 def _study_verdict(rows: list[dict], shots: list[str]) -> str:
@@ -128,7 +129,7 @@ def _study_verdict(rows: list[dict], shots: list[str]) -> str:
         rest = ", ".join(f"{r['model']} {r[key]:.3f}" for r in at[1:])
         lines.append(f"at fraction {fraction:g} ({num(at[0].get('images'))} images) {lead}"
                      + (f" (then {rest})" if rest else ", the only model scored there"))
-    return f"Best {shots[-1]}-shot accuracy, " + "; ".join(lines) + "."
+    return f"Best {shot_name(key)} accuracy, " + "; ".join(lines) + "."
 
 
 def _studies(entries: list[dict]) -> str:
@@ -145,7 +146,7 @@ def _studies(entries: list[dict]) -> str:
                                               td(r.get(f"{k}shot_step"), numeric=True))]
                 + [td(label_of.get(r.get("mlflow_run_id"), r.get("mlflow_run_id") or "—"))] for r in rows]
         head = ["model", "family", "fraction", "images", "steps", "exaFLOPs"] + [
-            h for k in shots for h in (f"best {k}-shot", "at step")] + ["cell run"]
+            h for k in shots for h in (f"best {shot_name(k + 'shot_accuracy')}", "at step")] + ["cell run"]
         states = ", ".join(f"{sum(c.status == st for c in ent['cells'])} {st.lower()}"
                            for st in dict.fromkeys(c.status for c in ent["cells"]))
         source = ("The table the study logged when it ended." if ent["from_artifact"] else

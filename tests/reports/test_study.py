@@ -52,6 +52,18 @@ def test_both_figures_draw_each_model_in_its_colour_one_panel_per_shot_count():
             assert has_colour(pixels, colour), (name, colour)
 
 
+def test_task_columns_draw_a_panel_each_named_for_the_task():
+    # --task NAME=DIR columns are NAME_<k>shot_accuracy; --fewshot-data's stay <k>shot_accuracy.
+    tasks = [{**{k: v for k, v in r.items() if "shot" not in k}, "digits_5shot_accuracy": r["5shot_accuracy"],
+              "count_5shot_accuracy": r["5shot_accuracy"] / 2, "5shot_accuracy": r["5shot_accuracy"]} for r in ROWS]
+    assert plots.shot_keys(tasks) == ["5shot_accuracy", "count_5shot_accuracy", "digits_5shot_accuracy"]
+    assert plots.shot_name("count_5shot_accuracy") == "count 5-shot"
+    figs = study.figures(tasks)
+    one = study.figures([{k: v for k, v in r.items() if not k.startswith(("digits", "count"))} for r in tasks])
+    for name, png in figs.items():  # three panels side by side
+        assert rgb(png).shape[1] > 2.4 * rgb(one[name]).shape[1], name
+
+
 def test_families_follow_the_variant_names():
     assert [plots.model_family(m) for m in ("Ti/16", "B/32", "BiT-R50x1", "BiT-mu", "R50+B/16", "R26+S/32")] == \
         ["ViT", "ViT", "ResNet", "ResNet", "hybrid", "hybrid"]
