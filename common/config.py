@@ -325,6 +325,8 @@ def build_parser(cls: type, *, prog: str | None = None, description: str | None 
         elif tp is bool:
             kwargs["nargs"] = "?"
             kwargs["const"] = "true"
+        if "metavar" in f.metadata:
+            kwargs["metavar"] = f.metadata["metavar"]
         parser.add_argument(flag, **kwargs)
     return parser
 

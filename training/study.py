@@ -40,7 +40,7 @@ class StudyConfig:
 
     data: str = field(metadata={"recipe": False, "help": "shard directory written by jobs/prepare.py"})
     task: list[str] = field(default_factory=list, metadata={"recipe": False, "help": "NAME=DIR, repeatable: a downstream task folder (train800/, val200/, test/, as jobs/fewshot.py --task reads it) every cell is few-shot scored on during training: fit on train800 and val200, scored on test"})
-    config: str | None = field(default=None, metadata={"recipe": False, "help": "the pre-training recipe, a YAML or JSON file as jobs/pretrain.py --config takes"})
+    config: str | None = field(default=None, metadata={"metavar": "FILE", "recipe": False, "help": "the pre-training recipe, a YAML or JSON file as jobs/pretrain.py --config takes"})
     fewshot_data: str | None = field(default=None, metadata={"recipe": False, "help": "a labelled shard set every cell is also few-shot scored on, split in half for fit and test"})
     output: str = field(default="study_output", metadata={"recipe": False, "help": "directory for the cells, the table and the study's record"})
     models: list[str] = field(default_factory=lambda: ["Ti/16", "BiT-R50x1"], metadata={"help": "variants, comma-separated, e.g. Ti/16,BiT-R50x1,R50+Ti/16"})

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-JOBS = ["prepare", "dedup", "pretrain", "finetune", "demo", "vtab", "vtab_prepare", "fewshot", "export"]
+JOBS = ["prepare", "dedup", "pretrain", "finetune", "demo", "vtab", "vtab_prepare", "fewshot", "export", "study"]
 
 
 def run_job(name, *args, env=None, timeout=120):
