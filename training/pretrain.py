@@ -439,8 +439,8 @@ def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                 if (line := disk_line(exc, where=storage[0])) is None:
                     raise
                 raise DiskFull(line, _kept(cfg, storage, total_steps)) from None
-            summary = {**_summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts),
-                       "fraction": cfg.fraction, "train_rows": train_rows}
+            summary = carried_over({**_summary(cfg, result, output, shards, run.info.run_id, total_steps, restarts),
+                                    "fraction": cfg.fraction, "train_rows": train_rows}, output / SUMMARY)
             _publish(cfg, run, summary, shards, output, name)
             atomic_write(output / SUMMARY, json.dumps(summary, indent=2))
         return summary
@@ -742,6 +742,21 @@ def _summary(cfg: PretrainConfig, result: Any, output: Path, shards: Any, run_id
                               "rows_sum": int(metrics.get("rows_sum", 0)),
                               "rows_sumsq": int(metrics.get("rows_sumsq", 0))},
             "resumed_from_step": int(metrics.get("start_step", 0)), "nodes": int(metrics.get("nodes", 1))}
+
+
+def carried_over(summary: dict, earlier: Path) -> dict:
+    """A finished run submitted again trains no step, so its last checkpoint reports only where it
+    stands: the figures of its end (held-out and train accuracy and loss) come from the summary
+    it wrote when it finished, so the rerun's summary says what the first one did."""
+    if summary["resumed_from_step"] != summary["steps"] or not summary["steps"]:
+        return summary
+    try:
+        before = json.loads(earlier.read_text())
+    except (OSError, ValueError):
+        return summary
+    if not isinstance(before, dict) or before.get("steps") != summary["steps"]:
+        return summary
+    return {**summary, "metrics": {**(before.get("metrics") or {}), **summary["metrics"]}}
 
 
 def _publish(cfg: PretrainConfig, run: Any, summary: dict, shards: Any, output: Path, name: str) -> None:

@@ -60,3 +60,18 @@ def test_a_resume_on_a_replaced_shard_set_is_refused_in_one_line_unless_data_cha
     assert resumed.run_name == started.run_name
     assert "resuming on the new data (--data-changed-ok)" in capfd.readouterr().err
     assert json.loads((out / RUN_RECORD).read_text())["data"]["data"]["manifest_sha256"] == now  # what it runs on now
+
+
+def test_a_finished_run_submitted_again_keeps_the_figures_of_its_end(tmp_path):
+    from training.pretrain import carried_over
+
+    earlier = tmp_path / "pretrain_summary.json"
+    earlier.write_text(json.dumps({"steps": 132, "metrics": {"step": 132, "holdout_accuracy": 0.397,
+                                                             "train_loss": 1.64}}))
+    # What the rerun's checkpoint reports: where it stands, no figure of a step it did not train.
+    rerun = {"steps": 132, "resumed_from_step": 132, "metrics": {"step": 132, "start_step": 132}}
+    assert carried_over(rerun, earlier)["metrics"] == {"step": 132, "holdout_accuracy": 0.397, "train_loss": 1.64,
+                                                       "start_step": 132}
+    trained = {"steps": 140, "resumed_from_step": 132, "metrics": {"step": 140, "holdout_accuracy": 0.41}}
+    assert carried_over(trained, earlier) == trained  # it trained: its own figures only
+    assert carried_over(rerun, tmp_path / "none.json") == rerun
