@@ -344,6 +344,15 @@ def _storage(cfg: PretrainConfig, output: Path) -> tuple[str, Any]:
     return path, fs
 
 
+def lock_run_folder(cfg: PretrainConfig, storage: tuple[str, Any], held: contextlib.ExitStack) -> None:
+    """With ``--storage-path`` on a disk, the checkpoints are written outside ``--output``: the run's
+    folder there is locked too, so two outputs naming one storage path and run name cannot write
+    one run's checkpoints. (The default, ``OUTPUT/ray``, is under the output's own lock.)"""
+    path, fs = storage
+    if cfg.storage_path and fs is None:
+        held.enter_context(FolderLock(make_output_dir(Path(path) / cfg.run_name), "pretrain"))
+
+
 def _images(cfg: PretrainConfig) -> Any:
     """A few training images through the evaluation transform, for the attention-distance figure."""
     import torch
@@ -400,9 +409,10 @@ def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
     storage = _storage(cfg, Path(cfg.output))
     # One run at a time in an output folder: two would resume the same run into the same checkpoints.
     check_owner(cfg.output, "pretrain")
-    with FolderLock(make_output_dir(Path(cfg.output)), "pretrain"):
+    with FolderLock(make_output_dir(Path(cfg.output)), "pretrain"), contextlib.ExitStack() as held:
         claim_folder(cfg.output, "pretrain")
         cfg, resume, output, reopen = _claim(cfg, storage)
+        lock_run_folder(cfg, storage, held)
         _warn_one_class(cfg, shards)
         own_ray = init_ray(cfg.ray_address)
         datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}

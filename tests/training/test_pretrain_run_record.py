@@ -75,3 +75,22 @@ def test_a_finished_run_submitted_again_keeps_the_figures_of_its_end(tmp_path):
     trained = {"steps": 140, "resumed_from_step": 132, "metrics": {"step": 140, "holdout_accuracy": 0.41}}
     assert carried_over(trained, earlier) == trained  # it trained: its own figures only
     assert carried_over(rerun, tmp_path / "none.json") == rerun
+
+
+def test_a_storage_path_outside_the_output_has_its_run_folder_locked_too(tmp_path):
+    import contextlib
+
+    import pytest
+
+    from common.locks import FolderBusy
+    from training.pretrain import _storage, lock_run_folder
+
+    cfg = PretrainConfig(data=str(tmp_path / "shards"), output=str(tmp_path / "a"), storage_path=str(tmp_path / "shared"),
+                         run_name="r1")
+    storage = _storage(cfg, tmp_path / "a")
+    with contextlib.ExitStack() as held:
+        lock_run_folder(cfg, storage, held)
+        with pytest.raises(FolderBusy, match="another pretrain run is writing there"), contextlib.ExitStack() as other:
+            lock_run_folder(dataclasses.replace(cfg, output=str(tmp_path / "b")), storage, other)
+    with contextlib.ExitStack() as again:  # released with its run
+        lock_run_folder(cfg, storage, again)
