@@ -257,39 +257,31 @@ def _study_axes(rows: list[dict], title: str):
 def study_by_images(rows: list[dict], title: str = "best few-shot accuracy against pre-training images") -> bytes | None:
     """Figure 4: each model's best few-shot accuracy against its training images, one line per model,
     log x axis, one panel per shot count. ``rows`` are a study table's (``model``, ``images``, ``<k>shot_accuracy``)."""
-    rows = [r for r in rows if r.get("images")]
-    fig, axes, shots = _study_axes(rows, title)
-    if fig is None:
-        return None
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    for ax, key in zip(axes, shots):
-        for colour, model in zip(colours(len(models)), models):
-            points = sorted((r["images"], r[key]) for r in rows if r["model"] == model and r.get(key) is not None)
-            if points:
-                ax.plot(*zip(*points), "-", marker=FAMILY_MARKERS[model_family(model)], color=colour,
-                        label=f"{model} ({model_family(model)})")
-        ax.set_xlabel("pre-training images (training rows of the subset)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return png(fig)
+    return _study_figure(rows, title, "images", "pre-training images (training rows of the subset)",
+                         {"linestyle": "-"})
 
 
 def study_by_compute(rows: list[dict], title: str = "best few-shot accuracy against pre-training compute") -> bytes | None:
     """Figure 5: each cell's best few-shot accuracy against its exaFLOPs, the marker its family (ViT,
     ResNet, hybrid) and the colour its model, log x axis, one panel per shot count. Rows without
     exaFLOPs (a table rebuilt from a stopped study's cells) are left out."""
-    rows = [r for r in rows if r.get("exaflops")]
+    return _study_figure(rows, title, "exaflops", "pre-training exaFLOPs", {"linestyle": "none", "markersize": 8})
+
+
+def _study_figure(rows: list[dict], title: str, x: str, xlabel: str, style: dict) -> bytes | None:
+    """Each model's best few-shot accuracy against column ``x``, a panel per shot count, marked by family."""
+    rows = [r for r in rows if r.get(x)]
     fig, axes, shots = _study_axes(rows, title)
     if fig is None:
         return None
     models = list(dict.fromkeys(r["model"] for r in rows))
     for ax, key in zip(axes, shots):
         for colour, model in zip(colours(len(models)), models):
-            points = sorted((r["exaflops"], r[key]) for r in rows if r["model"] == model and r.get(key) is not None)
+            points = sorted((r[x], r[key]) for r in rows if r["model"] == model and r.get(key) is not None)
             if points:
-                ax.plot(*zip(*points), linestyle="none", marker=FAMILY_MARKERS[model_family(model)], markersize=8,
-                        color=colour, label=f"{model} ({model_family(model)})")
-        ax.set_xlabel("pre-training exaFLOPs")
+                ax.plot(*zip(*points), marker=FAMILY_MARKERS[model_family(model)], color=colour,
+                        label=f"{model} ({model_family(model)})", **style)
+        ax.set_xlabel(xlabel)
         ax.legend(fontsize=7)
     fig.tight_layout()
     return png(fig)
