@@ -272,20 +272,6 @@ def train_loop_per_worker(config: dict) -> None:
         trainer.metrics.close()
 
 
-class _StartCounter:
-    """Counts worker-group starts of one ``fit`` (a Ray actor): starts - 1 restarts."""
-
-    def __init__(self) -> None:
-        self.starts = 0
-
-    def start(self) -> int:
-        self.starts += 1
-        return self.starts
-
-    def count(self) -> int:
-        return self.starts
-
-
 def ray_data_stream(cfg: PretrainConfig, shards):
     """The training stream for ``loader="ray_data"``: shard reads, then decode + augment as data tasks.
 
@@ -663,14 +649,13 @@ def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tu
     from training.loopback_torch import LoopbackTorchConfig
     from training.ray_utils import ProgressBoard, check_resume_snapshot
 
-    starts = ray.remote(num_cpus=0)(_StartCounter).remote()
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     resources = {"CPU": cfg.cpus_per_worker, **({"GPU": 1} if cfg.use_gpu else {}), **(cfg.resources_per_worker or {})}
     storage_path, storage_fs = storage
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"cfg": dataclasses.asdict(cfg), "mlflow_run_id": run_id, "mlflow_uri": uri,
-                           "starts": starts, "progress": board, **resume},
+                           "progress": board, **resume},
         datasets=datasets,
         torch_config=LoopbackTorchConfig(),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.use_gpu,
@@ -685,23 +670,24 @@ def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tu
     )
     shown = StepProgress(ProgressLine("pretrain"), board)
     try:
-        # Poll at least as often as lines are due: a short run's steps must not all fall
-        # between two polls (only the newest step of each poll gets a line).
-        every = progress_every()
-        with Ticker(shown.tick, max(0.05, min(TTY_EVERY, every) if every > 0 else TTY_EVERY)):
-            result = _in_thread(trainer.fit)
-    except Exception as exc:
-        raise _config_error_from_workers(exc) or exc
+        try:
+            # Poll at least as often as lines are due: a short run's steps must not all fall
+            # between two polls (only the newest step of each poll gets a line).
+            every = progress_every()
+            with Ticker(shown.tick, max(0.05, min(TTY_EVERY, every) if every > 0 else TTY_EVERY)):
+                result = _in_thread(trainer.fit)
+        except Exception as exc:
+            raise _config_error_from_workers(exc) or exc
+        finally:
+            shown.finish()
+        if result.error:
+            raise _config_error_from_workers(result.error) or result.error
+        if storage_fs is None:  # the checkpoint folders the finished fit's snapshot no longer lists
+            scan_run(Path(storage_path) / cfg.run_name, check_resume_snapshot(storage_path, cfg.run_name))
+        restarts = max(0, ray.get(board.starts.remote()) - 1)
     finally:
-        shown.finish()
         with contextlib.suppress(Exception):  # Ray may be gone (an interrupt)
             ray.kill(board)
-    if result.error:
-        raise _config_error_from_workers(result.error) or result.error
-    if storage_fs is None:  # the checkpoint folders the finished fit's snapshot no longer lists
-        scan_run(Path(storage_path) / cfg.run_name, check_resume_snapshot(storage_path, cfg.run_name))
-    restarts = max(0, ray.get(starts.count.remote()) - 1)
-    ray.kill(starts)
     return result, restarts
 
 

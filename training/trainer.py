@@ -79,8 +79,8 @@ class Trainer:
         cfg = self.cfg
         torch.set_num_threads(max(1, cfg.cpus_per_worker))
         torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-        if self.rank == 0 and self.run.get("starts") is not None:
-            ray.get(self.run["starts"].start.remote())
+        if self.rank == 0 and self.run.get("progress") is not None:
+            ray.get(self.run["progress"].start.remote())
         self.nodes = len(set(gather(ray.get_runtime_context().get_node_id())))
         train_ds, held_ds, num_classes = _datasets(cfg)
         self.label_names = [] if self.mpp else list(train_ds.shards.label_names)  # the model file names its classes

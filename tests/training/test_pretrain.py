@@ -1,5 +1,6 @@
 """Ray Train pre-training on real shards: masked patch prediction, resume, schedules and errors."""
 import json
+from pathlib import Path
 
 import mlflow
 import numpy as np
@@ -50,6 +51,13 @@ def test_mpp_objective_trains_and_saves_a_backbone(small_demo, tmp_path):
     assert 0 < summary["metrics"]["train_loss"] < 7.0
     model = vitcore.load_checkpoint(summary["model"])
     assert model.config.depth == 1 and model.config.img_size == (32, 32)
+    # Ray started in-process runs Ray Train for one node: no preemption watcher, a process per fit.
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+    actors = {line for p in logs.glob("worker-*.out") for line in p.read_text(errors="replace").splitlines()
+              if line.startswith(":actor_name:")}
+    assert ":actor_name:TrainController" in actors and ":actor_name:PreemptionWatcher" not in actors, actors
 
 
 def test_rerun_resumes_from_the_last_checkpoint(small_demo, tmp_path):
