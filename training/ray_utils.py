@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 # Ray Train's settings for the one node of an in-process start; a variable set in the environment
-# wins. Every fit starts fewer processes and ends sooner (benchmarks/fit_startup.py):
+# wins. Each fit starts one process fewer (benchmarks/fit_startup.py counts them):
 # - no preemption watcher, an actor (a process) per fit that waits for a cluster to drain a node;
 # - the controller polls its workers every 0.5 s, not 2 s: a fit's phases (workers placed, started,
 #   finished) are each seen at the next poll. A poll that misses is waited on, not a failure.
