@@ -7,8 +7,9 @@ each task and shot count scored and kept apart, :mod:`training.best`), in a fold
 under ``output/cells``, under one MLflow parent run. The unfinished cells run as the trials of
 one Ray Tune experiment (:mod:`training.study_trials`), ``--cells-at-once`` of them side by side
 (by default as many as the cluster's CPUs hold), each trial a Ray Train run on the workers it is
-given. A cell whose summary is written is finished: the same command run again skips it, and an
-interrupted cell resumes from its checkpoint into its own MLflow run.
+given; one at a time, they run in this process. A cell whose summary is written is finished:
+the same command run again skips it, and an interrupted cell resumes from its checkpoint into its
+own MLflow run.
 """
 from __future__ import annotations
 

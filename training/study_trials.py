@@ -3,7 +3,8 @@ side by side: each trial drives one cell's Ray Train run (:func:`training.pretra
 on the workers it gets, and ``at_once`` bounds the cells running together.
 
 A trial reserves no CPU: the Train workers it launches reserve theirs, so cells that fill the
-cluster's CPUs between them all start. Tune's experiment is not resumed: a launch runs a fresh one
+cluster's CPUs between them all start. With one cell at a time (``--cells-at-once 1``, or a
+cluster that holds one cell) the cells run in the study's own process, one after another. Tune's experiment is not resumed: a launch runs a fresh one
 over the cells without a summary, each resuming from its own checkpoint as a pre-training
 submitted again does. Its files go under ``OUTPUT/tune`` and are removed when it ends.
 """
@@ -96,7 +97,19 @@ def at_once(requested: int, cells: list[PretrainConfig]) -> int:
 def run_cells(cells: dict[int, PretrainConfig], labels: dict[int, str], parent_run_id: str, output: Path,
               cells_at_once: int) -> None:
     """Pre-train ``cells`` (by their index in the grid) as Tune trials; returns when all are
-    finished, or raises the first failed cell's own error (Ray's and Tune's wrappers removed)."""
+    finished, or raises the first failed cell's own error (Ray's and Tune's wrappers removed).
+
+    One cell at a time runs in this process instead: a trial would add nothing but its own
+    process (its imports, and Ray's lower worker priority on a busy machine) to every cell.
+    """
+    n = at_once(cells_at_once, list(cells.values()))
+    if n == 1:
+        for i in sorted(cells):
+            print(f"study: cell {labels[i]}: pre-training", file=sys.stderr, flush=True)
+            start = time.monotonic()
+            run_pretrain(dataclasses.replace(cells[i], parent_run_id=parent_run_id))
+            print(f"study: cell {labels[i]}: pre-trained in {duration(time.monotonic() - start)}", file=sys.stderr)
+        return
     storage = output / TUNE_DIR
     shutil.rmtree(storage, ignore_errors=True)  # a killed launch's: this launch starts its own
     space = {"index": tune.grid_search(sorted(cells)), "mlflow_uri": tracking.tracking_uri(), "cwd": os.getcwd(),
@@ -105,7 +118,7 @@ def run_cells(cells: dict[int, PretrainConfig], labels: dict[int, str], parent_r
     lines = CellLines(labels)
     tuner = tune.Tuner(
         tune.with_resources(cell_trial, TRIAL_RESOURCES), param_space=space,
-        tune_config=tune.TuneConfig(max_concurrent_trials=at_once(cells_at_once, list(cells.values())),
+        tune_config=tune.TuneConfig(max_concurrent_trials=n,
                                     reuse_actors=True),
         run_config=tune.RunConfig(name="cells", storage_path=str(storage), verbose=0, callbacks=[lines],
                                   failure_config=tune.FailureConfig(max_failures=0, fail_fast=True)))
