@@ -4,9 +4,12 @@ reads Figures 4 and 5: each cell's best few-shot accuracy against its images and
 Each cell is one :func:`training.pretrain.run_pretrain` run of the recipe (``--config``), with
 ``--fraction`` and few-shot scoring during training on the downstream task folders (``--task``,
 each task and shot count scored and kept apart, :mod:`training.best`), in a folder of its own
-under ``output/cells``. The cells run one after another in this process, under one MLflow parent run.
-A cell whose summary is written is finished: the same command run again skips it, and an
-interrupted cell resumes from its checkpoint into its own MLflow run.
+under ``output/cells``, under one MLflow parent run. The unfinished cells run as the trials of
+one Ray Tune experiment (:mod:`training.study_trials`), ``--cells-at-once`` of them side by side
+(by default as many as the cluster's CPUs hold), each trial a Ray Train run on the workers it is
+given; one at a time, they run in this process. A cell whose summary is written is finished:
+the same command run again skips it, and an interrupted cell resumes from its checkpoint into its
+own MLflow run.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from common.config import ConfigError, check, from_dict, load_file
 from common.fs import atomic_write, make_output_dir
 from common.locks import FolderLock, check_owner, check_same_data, claim_folder, reading
 from pipelines.schema import MANIFEST, ShardSet, missing_manifest_hint, shard_set_record
-from training.pretrain import SUMMARY, PretrainConfig, data_digests, read_run_record, read_sets, run_pretrain
+from training.pretrain import SUMMARY, PretrainConfig, data_digests, read_run_record, read_sets
 from training.task_folders import check_task_folders, task_folders, task_records
 
 STUDY_RECORD = "study.json"
@@ -54,6 +57,9 @@ class StudyConfig:
     fewshot_every: int = field(default=100, metadata={"help": "few-shot scoring interval in steps, in every cell"})
     data_changed_ok: bool = field(default=False, metadata={"recipe": False, "help": "go on with the study even though "
                                                                                   "a shard set it reads was replaced since its cells started"})
+    cells_at_once: int = field(default=0, metadata={"recipe": False, "metavar": "N", "help": "cells pre-trained side by side, each a Ray Tune trial "
+                                                   "driving its own Ray Train run; 0: as many as the cluster's CPUs hold "
+                                                   "(its CPUs // a cell's workers' CPUs, at least 1); 1: one after another"})
 
     def __post_init__(self) -> None:
         # Variant names hold no commas: "--models Ti/16,BiT-R50x1" is a list (the runner keeps commas in strings).
@@ -72,6 +78,8 @@ class StudyConfig:
         check(self.budget != "steps" or self.steps is not None, "steps", "--budget steps needs --steps N")
         check(self.budget != "epochs" or self.steps is None, "steps", "--steps sets a step budget: add --budget steps")
         check(self.fewshot_every > 0, "fewshot_every", f"must be a positive integer, got {self.fewshot_every}")
+        check(self.cells_at_once >= 0, "cells_at_once", f"must be 0 (as many as the cluster holds) or a count of "
+              f"cells, e.g. --cells-at-once 2; got {self.cells_at_once}")
         check(bool(self.task or self.fewshot_data), "task", "score the cells on at least one downstream task: "
               "--task NAME=DIR (a folder of train800/, val200/ and test/ shard sets), or --fewshot-data DIR")
         check(self.shots is None or (bool(self.shots) and min(self.shots) > 0), "shots",
@@ -140,7 +148,8 @@ def cell_row(cell: PretrainConfig, summary: dict) -> dict[str, Any]:
 
 
 def run_study(cfg: StudyConfig) -> dict[str, Any]:
-    """Run the grid's unfinished cells in turn; returns the table, one row per cell."""
+    """Run the grid's unfinished cells as Ray Tune trials (:mod:`training.study_trials`); returns the
+    table, one row per cell in the grid's order."""
     cells = cell_configs(cfg)
     _check_inputs(cfg)
     output = Path(cfg.output).expanduser().resolve()
@@ -150,9 +159,15 @@ def run_study(cfg: StudyConfig) -> dict[str, Any]:
             FolderLock(make_output_dir(output), "study"):
         claim_folder(output, "study")
         with _parent_run(cfg, output) as parent:
-            rows = []
-            for i, cell in enumerate(cells, 1):
-                rows.append(_run_cell(cell, parent.info.run_id, f"{i}/{len(cells)}"))
+            labels = {i: f"{i + 1}/{len(cells)} {c.variant} at fraction {c.fraction:g}" for i, c in enumerate(cells)}
+            todo = {i: c for i, c in enumerate(cells) if not _finished(c, labels[i])}
+            if todo:
+                from training.ray_utils import init_ray
+                from training.study_trials import run_cells
+
+                init_ray(cells[0].ray_address)
+                run_cells(todo, labels, parent.info.run_id, output, cfg.cells_at_once)
+            rows = [cell_row(c, json.loads((Path(c.output) / SUMMARY).read_text())) for c in cells]
             table = {"rows": rows, "mlflow_run_id": parent.info.run_id}
             tracking.log_dict(table, TABLE)
         atomic_write(output / TABLE, json.dumps(table, indent=2))
@@ -160,16 +175,15 @@ def run_study(cfg: StudyConfig) -> dict[str, Any]:
     return table
 
 
-def _run_cell(cell: PretrainConfig, parent_run_id: str, position: str) -> dict[str, Any]:
-    done = Path(cell.output) / SUMMARY
-    if done.is_file():  # its table row stands only for the data the other cells read
-        check_same_data(read_run_record(Path(cell.output)).get("data"), data_digests(cell), stage="study", what="cell",
-                        fix=f"remove {cell.output} to pre-train that cell again", changed_ok=cell.data_changed_ok)
-        print(f"study: cell {position} {cell.variant} at fraction {cell.fraction:g}: finished, skipped", file=sys.stderr)
-        return cell_row(cell, json.loads(done.read_text()))
-    print(f"study: cell {position} {cell.variant} at fraction {cell.fraction:g}: pre-training", file=sys.stderr)
-    summary = run_pretrain(dataclasses.replace(cell, parent_run_id=parent_run_id))
-    return cell_row(cell, summary)
+def _finished(cell: PretrainConfig, label: str) -> bool:
+    """Whether the cell's summary is written (it is skipped, in a line), after checking it was made
+    from the data the other cells read."""
+    if not (Path(cell.output) / SUMMARY).is_file():
+        return False
+    check_same_data(read_run_record(Path(cell.output)).get("data"), data_digests(cell), stage="study", what="cell",
+                    fix=f"remove {cell.output} to pre-train that cell again", changed_ok=cell.data_changed_ok)
+    print(f"study: cell {label}: finished, skipped", file=sys.stderr)
+    return True
 
 
 def _parent_run(cfg: StudyConfig, output: Path):

@@ -35,6 +35,7 @@ def task_folder(shards, folder, splits=SPLITS):
     (["--shots", "0,5"], "shots: must be positive shot counts"),
     (["--task", "my task=t"], "task: 'my task': NAME may hold letters"),
     ([], "task: score the cells on at least one downstream task"),
+    (["--cells-at-once", "-1"], "cells_at_once: must be 0 (as many as the cluster holds) or a count of cells"),
 ])
 def test_bad_grids_are_refused_in_one_line(argv, message, capsys):
     tasks = ["--task", "digits=t"] if argv and argv[0] != "--task" else []
@@ -56,14 +57,20 @@ def test_a_cell_takes_the_recipe_from_config_and_the_tasks_and_shots(tmp_path):
     assert all(c.fewshot_task == ["digits=t1", "natural/dtd=t2"] and c.fewshot_shots == [5, 10] for c in cells)
 
 
-def test_a_study_runs_each_cell_once_under_one_parent_and_prints_its_table(tiny_shards, tmp_path, mlflow_store,
-                                                                           ray_session):
+@pytest.fixture(scope="module")
+def two_cells(tiny_shards, tmp_path_factory, mlflow_store, ray_session):
+    """A study of two cells on the session's Ray (4 CPUs, one worker a cell: both run at once), run once."""
+    tmp_path = tmp_path_factory.mktemp("study")
     (tmp_path / "r.yaml").write_text(RECIPE)
     task = task_folder(tiny_shards, tmp_path / "tiny")
     cfg = StudyConfig(data=str(tiny_shards), task=[f"tiny={task}"], fewshot_data=str(tiny_shards),
                       config=str(tmp_path / "r.yaml"), output=str(tmp_path / "s"), models=["mu/8"],
                       fractions=[0.5, 1.0], shots=[1, 5], budget="steps", steps=2, fewshot_every=1)
-    table = run_study(cfg)
+    return cfg, run_study(cfg)
+
+
+def test_a_study_runs_each_cell_once_under_one_parent_and_prints_its_table(two_cells):
+    cfg, table = two_cells
     rows = table["rows"]
     assert [(r["model"], r["fraction"], r["steps"]) for r in rows] == [("mu/8", 0.5, 2), ("mu/8", 1.0, 2)]
     assert rows[0]["images"] < rows[1]["images"] and all(r["exaflops"] > 0 and r["best_step"] for r in rows)
@@ -80,10 +87,18 @@ def test_a_study_runs_each_cell_once_under_one_parent_and_prints_its_table(tiny_
     assert again["mlflow_run_id"] == table["mlflow_run_id"]
     children = client.search_runs([client.get_experiment_by_name(tracking.experiment_name("pretrain")).experiment_id])
     assert len(children) == 2
+    assert not (Path(cfg.output) / "tune").exists()  # Tune's own files are gone with its experiment
     text = format_table(rows)
     assert text.splitlines()[0].split() == ["model", "fraction", "images", "steps", "exaFLOPs", "1shot", "step",
                                             "tiny", "1shot", "step", "tiny", "5shot", "step"]
     assert len(text.splitlines()) == 3
+
+
+def test_cells_run_side_by_side_as_tune_trials(two_cells):
+    """The cluster holds both cells (--cells-at-once 0): their pre-training runs overlap in time."""
+    client = mlflow.MlflowClient(tracking.tracking_uri())
+    runs = [client.get_run(r["mlflow_run_id"]).info for r in two_cells[1]["rows"]]
+    assert max(r.start_time for r in runs) < min(r.end_time for r in runs), [(r.start_time, r.end_time) for r in runs]
 
 
 def test_the_entrypoint_refuses_a_missing_shard_set_in_one_line(job_main, tmp_path):
@@ -122,12 +137,13 @@ def _recorded_run(cell: Path) -> str | None:
 
 def test_a_study_killed_in_its_second_cell_is_finished_by_the_same_command(tiny_shards, tmp_path, job_main,
                                                                           ray_session, monkeypatch):
+    """One cell at a time, so that the kill finds one cell finished and the next started."""
     home, out = tmp_path / "home", tmp_path / "s"
     (tmp_path / "r.yaml").write_text(RECIPE)
     task = task_folder(tiny_shards, tmp_path / "tiny")
     args = ["--data", str(tiny_shards), "--task", f"tiny={task}", "--config", str(tmp_path / "r.yaml"),
             "--output", str(out), "--models", "mu/8", "--fractions", "0.5,1", "--shots", "1", "--budget", "steps",
-            "--steps", "3", "--fewshot-every", "1"]
+            "--steps", "3", "--fewshot-every", "1", "--cells-at-once", "1"]
     env = dict(os.environ, VITSCALE_HOME=str(home), PYTHONPATH=str(REPO))
     for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
         env.pop(k, None)
