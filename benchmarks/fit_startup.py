@@ -6,6 +6,8 @@ process, for each mode, on a Ray started in-process for that mode before anythin
 - ``--fits`` runs, after one untimed, of :func:`training.pretrain.run_pretrain` (a depth-1 Ti/8 at 32 px, batch 4,
   ``--steps`` steps, one Ray Train worker, a fresh output each), timed whole: the run's checks and
   MLflow run, the fit, the model's copy and figures;
+- the CPU seconds each fit cost the whole machine (every process busy, Ray's workers included,
+  from ``/proc/stat``: run it on a quiet machine);
 - the actors each fit started, by class, read from the Ray session's worker logs (the session's
   own, such as Ray's autoscaling coordinator, count once over all its fits).
 
@@ -77,9 +79,10 @@ def plain_loop_s(steps: int) -> float:
 
 
 def actors_started(session: Path) -> collections.Counter:
-    """The actors this Ray session started, by class (each one a worker process)."""
+    """The actors this Ray session started, by class (each one a worker process; Ray moves the logs
+    of those that ended to ``logs/old``)."""
     found = collections.Counter()
-    for log in (session / "logs").glob("worker-*.out"):
+    for log in [*(session / "logs").glob("worker-*.out"), *(session / "logs" / "old").glob("worker-*.out")]:
         for line in log.read_text(errors="replace").splitlines():
             if line.startswith(":actor_name:"):
                 found[line.removeprefix(":actor_name:")] += 1
@@ -101,18 +104,21 @@ def run_mode(mode: str, shards: Path, work: Path, fits: int, steps: int) -> dict
         for k, v in saved.items():
             os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
     session = Path(ray._private.worker._global_node.get_session_dir_path())
-    times = []
+    times, cpu = [], []
     for i in range(fits + 1):  # the first warms this process and Ray's worker pool, untimed
         out = work / mode / f"fit{i}"
-        start = time.perf_counter()
+        start, busy = time.perf_counter(), machine.busy_cpu_s()
         run_pretrain(PretrainConfig(data=str(shards), output=str(out), steps=steps, **TINY))
         times.append(time.perf_counter() - start)
-        print(f"fit_startup: {mode} fit {i}/{fits}: {times[-1]:.1f}s", file=sys.stderr)
-    times = times[1:]
+        cpu.append(machine.busy_cpu_s() - busy if busy is not None else None)
+        print(f"fit_startup: {mode} fit {i}/{fits}: {times[-1]:.1f}s, {cpu[-1] or 0:.1f} CPU s", file=sys.stderr)
+    times, cpu = times[1:], cpu[1:]
     ray.shutdown()
     actors = actors_started(session)
     fits += 1
     return {"fit_s": [round(t, 2) for t in times], "fit_median_s": round(statistics.median(times), 2),
+            "fit_cpu_s": [round(c, 1) for c in cpu if c is not None],
+            "fit_cpu_median_s": round(statistics.median(cpu), 1) if None not in cpu else None,
             "actors_per_fit": {k: round(v / fits, 2) for k, v in sorted(actors.items())},
             "processes_per_fit": round(sum(actors.values()) / fits, 2)}
 

@@ -37,6 +37,18 @@ def cpu() -> dict:
     return info
 
 
+def busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine has spent busy since boot, every process counted (``/proc/stat``:
+    all but idle and iowait); None off Linux. A difference of two readings on a quiet machine is what
+    a stretch of work cost, its child processes and Ray's workers included."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:9]]
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def describe() -> dict:
     """The ``machine`` object of a benchmark's JSON line."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,35 @@ _SUITE_HANDLERS: dict[int, object] = {}
 
 
 def pytest_sessionstart(session):
+    if os.environ.get("SUITE_CPU_LOG"):
+        from benchmarks.machine import busy_cpu_s, describe
+
+        _cpu_log({"start": time.time(), "busy_cpu_s": busy_cpu_s(), "machine": describe()})
     _SUITE_HANDLERS[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     _SUITE_HANDLERS[signal.SIGTERM] = _stop_pytest
     signal.signal(signal.SIGTERM, _stop_pytest)
+
+
+def _cpu_log(record: dict) -> None:
+    with open(os.environ["SUITE_CPU_LOG"], "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``SUITE_CPU_LOG=FILE``: a JSON line per test, its wall time and the CPU seconds the whole
+    machine spent busy meanwhile (the set-up of a shared fixture it was first to use included), for
+    ``benchmarks/suite_cpu.py``."""
+    if not os.environ.get("SUITE_CPU_LOG"):
+        return (yield)
+    from benchmarks.machine import busy_cpu_s
+
+    start, busy = time.monotonic(), busy_cpu_s()
+    try:
+        return (yield)
+    finally:
+        _cpu_log({"test": item.nodeid, "wall_s": round(time.monotonic() - start, 2),
+                  "cpu_s": round(busy_cpu_s() - busy, 2)})
 
 
 @pytest.hookimpl(wrapper=True)
@@ -47,6 +75,14 @@ def pytest_runtest_makereport(item, call):
         if signal.getsignal(signum) is not handler:
             signal.signal(signum, handler)
     return report
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("SUITE_CPU_LOG"):
+        from benchmarks.machine import busy_cpu_s, describe
+
+        _cpu_log({"finish": time.time(), "busy_cpu_s": busy_cpu_s(), "exitstatus": int(exitstatus),
+                  "machine": describe()})
 
 
 @pytest.fixture(autouse=True)
@@ -257,6 +293,42 @@ def build_pretrained():
     return _make_pretrained
 
 
+_STORE_TEMPLATE: list[Path] = []
+
+
+def new_home(home: Path) -> Path:
+    """``home`` made ready as a ``VITSCALE_HOME``: its MLflow store a copy of one this process migrated.
+
+    MLflow creates a new sqlite store with its migrations, about 3 s of CPU on a 2-core machine;
+    a suite run opens about 80. The first call makes one through :mod:`common.tracking` as a job
+    would; later calls copy it and point its Default experiment at their own ``artifacts/0``, which
+    is what a store created in ``home`` holds. A store already there is kept. A test of how a store
+    is created uses a bare folder.
+    """
+    import atexit
+    import shutil
+    import sqlite3
+    import tempfile
+    import time
+
+    if not _STORE_TEMPLATE:
+        from common import tracking
+
+        folder = Path(tempfile.mkdtemp(prefix="vitscale-store-"))
+        atexit.register(shutil.rmtree, folder, True)
+        tracking._ensure_sqlite_store(f"sqlite:///{folder / 'mlflow.db'}")
+        _STORE_TEMPLATE.append(folder / "mlflow.db")
+    home.mkdir(parents=True, exist_ok=True)
+    if (home / "mlflow.db").exists():
+        return home
+    shutil.copyfile(_STORE_TEMPLATE[0], home / "mlflow.db")
+    now = int(time.time() * 1000)
+    with contextlib.closing(sqlite3.connect(home / "mlflow.db")) as con, con:
+        con.execute("UPDATE experiments SET artifact_location = ?, creation_time = ?, last_update_time = ? "
+                    "WHERE experiment_id = 0", (f"{(home / 'artifacts').as_uri()}/0", now, now))
+    return home
+
+
 @pytest.fixture(scope="module")
 def mlflow_store(tmp_path_factory):
     """A throwaway sqlite MLflow store (``VITSCALE_HOME``) for one test module: the suite's only one.
@@ -264,7 +336,7 @@ def mlflow_store(tmp_path_factory):
     Module-scoped so that module-scoped fixtures which run a stage (an ingest, say) log into
     it too; it is undone after the module, so the setting never leaks into another one.
     """
-    home = tmp_path_factory.mktemp("vitscale_home")
+    home = new_home(tmp_path_factory.mktemp("vitscale_home"))
     mp = pytest.MonkeyPatch()
     mp.setenv("VITSCALE_HOME", str(home))
     for var in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "VITSCALE_PARENT_RUN_ID"):
@@ -296,7 +368,7 @@ def small_demo(tmp_path_factory, ray_session):
 
     work = tmp_path_factory.mktemp("demo")
     mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(work / "mlruns"))
+    mp.setenv("VITSCALE_HOME", str(new_home(work / "mlruns")))
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
     mp.delenv("VITSCALE_PARENT_RUN_ID", raising=False)
     try:
@@ -331,7 +403,7 @@ def _prepared(root: Path) -> Path:
     from pipelines.ingest import run_prepare
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "home"))
+    mp.setenv("VITSCALE_HOME", str(new_home(root / "home")))
     try:
         run_prepare(PrepareConfig(input=[str(root / "src")], output=str(root / "shards"), size=32, workers=1))
     finally:

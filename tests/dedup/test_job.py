@@ -9,6 +9,7 @@ from common.config import ConfigError
 from dedup.job import DedupConfig, run
 from neardup.transforms import apply
 from pipelines.schema import MANIFEST
+from tests.conftest import new_home
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def corpus(tmp_path_factory, photos, tiles):
     from pipelines.ingest import run_prepare
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "mlruns"))
+    mp.setenv("VITSCALE_HOME", str(new_home(root / "mlruns")))
     run_prepare(PrepareConfig(input=[str(root / "corpus")], output=str(root / "shards"), size=160, workers=1,
                               shard_mb=0.05))
     mp.undo()

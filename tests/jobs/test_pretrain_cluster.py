@@ -17,6 +17,8 @@ import mlflow
 import numpy as np
 import pytest
 
+from tests.conftest import new_home
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TINY = ["--variant", "Ti/8", "--depth", "1", "--img-size", "32", "--warmup-steps", "2", "--holdout", "0.1"]
@@ -228,7 +230,7 @@ def test_readme_submit_keeps_the_run_in_the_users_store(cluster, corpus, tmp_pat
     # As docs/scale-out.md prints it, shrunk to test size by later flags.
     out = submit(cluster, ["--config", "configs/pretrain-demo-tiny.yaml", "--data", str(corpus), "--output", "runs/tiny",
                            *TINY, "--steps", "4", "--batch-size", "8", "--log-every", "2"],
-                 runtime_env={"env_vars": {"VITSCALE_HOME": str(home)}})
+                 runtime_env={"env_vars": {"VITSCALE_HOME": str(new_home(home))}})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     summary = json.loads((home / "runs" / "tiny" / "pretrain_summary.json").read_text())
     assert summary["model"] == str(home / "runs" / "tiny" / "model.safetensors") and Path(summary["model"]).is_file()
@@ -273,7 +275,7 @@ def test_killed_worker_restarts_and_resubmission_continues(cluster, corpus, tmp_
     out_dir, home = tmp_path / "kill", tmp_path / "home"
     args = ["--data", str(corpus), "--output", str(out_dir), "--run-name", "kill", *TINY, "--batch-size", "8",
             "--checkpoint-every", "20", "--log-every", "20", "--max-failures", "2", "--num-workers", "1"]
-    env = {"env_vars": {"VITSCALE_HOME": str(home)}}
+    env = {"env_vars": {"VITSCALE_HOME": str(new_home(home))}}
     sid = f"kill-{os.getpid()}-{time.time_ns()}"
     out = submit(cluster, [*args, "--steps", "400"], runtime_env=env, wait=False, submission_id=sid)
     assert out.returncode == 0, out.stderr[-3000:]

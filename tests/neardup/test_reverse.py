@@ -10,6 +10,7 @@ import pytest
 from neardup import signatures as sig
 from neardup.index import FORWARD, INNER_THRESHOLD_OFFSET, REVERSE, TestSetIndex
 from neardup.transforms import REVERSE_TRANSFORMS, apply
+from tests.conftest import new_home
 
 PHOTOS = ["astronaut.png", "chelsea.png", "coffee.png", "rocket.jpg", "china.jpg", "motorcycle_left.png"]
 UNRELATED = ["retina.jpg", "camera.png", "flower.jpg", "hubble_deep_field.jpg", "coins.png"]
@@ -169,7 +170,7 @@ def old_shards(request, tmp_path_factory, photos):
     from pipelines.schema import file_sha256
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "mlruns"))
+    mp.setenv("VITSCALE_HOME", str(new_home(root / "mlruns")))
     run_prepare(PrepareConfig(input=[str(root / "corpus")], output=str(root / "shards"), size=160, workers=1))
     mp.undo()
     shards = root / "shards"

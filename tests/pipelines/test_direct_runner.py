@@ -12,6 +12,7 @@ import pytest
 from pipelines.config import PrepareConfig
 from pipelines.direct_runner import direct_runner, loopback_address
 from pipelines.runners import pipeline_options
+from tests.conftest import new_home
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -162,6 +163,6 @@ def test_the_ingest_runs_on_the_fn_api_runner_without_trying_prism(tmp_path, pho
         out = subprocess.run([sys.executable, str(ROOT / "jobs" / "prepare.py"), "--input", str(src.parent),
                               "--output", str(tmp_path / f"out{workers}"), "--size", "32", "--workers", workers],
                              capture_output=True, text=True, timeout=300, cwd=ROOT,
-                             env={**os.environ, "TMPDIR": str(tmp), "VITSCALE_HOME": str(tmp_path / "home")})
+                             env={**os.environ, "TMPDIR": str(tmp), "VITSCALE_HOME": str(new_home(tmp_path / "home"))})
         assert out.returncode == 0, out.stderr[-2000:]
         assert not list(tmp.glob("beam-temp*")), workers

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.schema import ShardSet
+from tests.conftest import new_home
 
 REPO = Path(__file__).resolve().parents[2]
 JOB = str(REPO / "jobs" / "prepare.py")
@@ -334,7 +335,7 @@ def test_a_full_disk_is_one_line_naming_the_free_space_and_the_need_and_leaves_n
             Image.fromarray(rng.integers(0, 255, (160, 160, 3), dtype=np.uint8)).save(tmp_path / "src" / cls / f"{i}.png")
     out = small_disk / "out"
     r = _job("--input", str(tmp_path / "src"), "--output", str(out), "--size", "128", "--workers", "1",
-             env={**os.environ, "VITSCALE_HOME": str(tmp_path / "home")})
+             env={**os.environ, "VITSCALE_HOME": str(new_home(tmp_path / "home"))})
     assert r.returncode == 2, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     lines = [line for line in r.stderr.splitlines()
@@ -354,7 +355,7 @@ def test_prepare_overwrite_is_refused_while_another_process_reads_the_set(tmp_pa
     from common import locks
 
     monkeypatch.setattr(locks, "READERS_WAIT_S", 0.1)
-    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VITSCALE_HOME", str(new_home(tmp_path / "home")))
     shards = tmp_path / "shards"
     shutil.copytree(tiny_shards, shards, ignore=shutil.ignore_patterns(".readers*"))  # not the notes of runs reading it now
     before = {p.name: p.stat().st_mtime_ns for p in shards.iterdir()}

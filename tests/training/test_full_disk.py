@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import new_home
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -34,7 +36,7 @@ def test_a_full_disk_at_a_checkpoint_names_the_kept_one_and_the_same_command_res
            "--output", str(tmp_path / "out"), "--storage-path", str(storage), "--run-name", "full",
            "--variant", "Ti/8", "--depth", "1", "--img-size", "32", "--batch-size", "4", "--num-workers", "1",
            "--steps", "4", "--checkpoint-every", "2", "--warmup-steps", "1", "--holdout", "0"]
-    env = {**os.environ, "VITSCALE_HOME": str(tmp_path / "home"), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "VITSCALE_HOME": str(new_home(tmp_path / "home")), "PYTHONPATH": str(REPO)}
     env.pop("MLFLOW_TRACKING_URI", None)
     full = subprocess.run(job, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert full.returncode == 2, full.stderr[-3000:]

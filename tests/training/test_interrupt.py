@@ -11,11 +11,13 @@ import sys
 import time
 from pathlib import Path
 
+from tests.conftest import new_home
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _env(home: Path) -> dict:
-    env = dict(os.environ, VITSCALE_HOME=str(home), PYTHONPATH=str(REPO))
+    env = dict(os.environ, VITSCALE_HOME=str(new_home(home)), PYTHONPATH=str(REPO))
     for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
         env.pop(k, None)
     return env
@@ -23,7 +25,7 @@ def _env(home: Path) -> dict:
 
 def _env_here(monkeypatch, home: Path) -> None:
     """:func:`_env` for the runs that are ``main(argv)`` in this process (the ``job_main`` fixture)."""
-    monkeypatch.setenv("VITSCALE_HOME", str(home))
+    monkeypatch.setenv("VITSCALE_HOME", str(new_home(home)))
     for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
         monkeypatch.delenv(k, raising=False)
 

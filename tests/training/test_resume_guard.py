@@ -8,6 +8,8 @@ from pathlib import Path
 
 import ray
 
+from tests.conftest import new_home
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -51,7 +53,7 @@ def test_pretrain_resumes_from_the_checkpoint_before_one_whose_bytes_changed(tin
     out = tmp_path / "out"
     job = ["--data", str(tiny_shards), "--output", str(out), "--variant", "Ti/8", "--depth", "1", "--img-size", "32",
            "--batch-size", "4", "--num-workers", "1", "--checkpoint-every", "2", "--warmup-steps", "1", "--holdout", "0"]
-    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "home"))  # both runs are main(argv) on the session's Ray
+    monkeypatch.setenv("VITSCALE_HOME", str(new_home(tmp_path / "home")))  # both runs are main(argv) on the session's Ray
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     first = job_main("pretrain", *job, "--steps", "4")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -14,6 +14,7 @@ import pytest
 
 from common import tracking
 from common.config import parse_args
+from tests.conftest import new_home
 from training.study import StudyConfig, cell_configs, format_table, run_study
 from training.task_folders import SPLITS
 
@@ -144,7 +145,7 @@ def test_a_study_killed_in_its_second_cell_is_finished_by_the_same_command(tiny_
     args = ["--data", str(tiny_shards), "--task", f"tiny={task}", "--config", str(tmp_path / "r.yaml"),
             "--output", str(out), "--models", "mu/8", "--fractions", "0.5,1", "--shots", "1", "--budget", "steps",
             "--steps", "3", "--fewshot-every", "1", "--cells-at-once", "1"]
-    env = dict(os.environ, VITSCALE_HOME=str(home), PYTHONPATH=str(REPO))
+    env = dict(os.environ, VITSCALE_HOME=str(new_home(home)), PYTHONPATH=str(REPO))
     for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
         env.pop(k, None)
     first, second = out / "cells" / "mu8_f0.5", out / "cells" / "mu8_f1"

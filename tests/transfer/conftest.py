@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import new_home
+
 
 def make_task_dirs(root: Path, names: list[str] | None = None, *, train: int, test: int, size: int = 32,
                    **split_sizes) -> dict[str, Path]:
@@ -17,7 +19,7 @@ def make_task_dirs(root: Path, names: list[str] | None = None, *, train: int, te
     from transfer.vtab_data import VtabPrepareConfig, run_vtab_prepare
 
     mp = pytest.MonkeyPatch()
-    mp.setenv("VITSCALE_HOME", str(root / "mlruns-prepare"))
+    mp.setenv("VITSCALE_HOME", str(new_home(root / "mlruns-prepare")))
     try:
         raw = build_vtab_tasks(root / "raw", train=train, test=test, size=size)
         out = {}

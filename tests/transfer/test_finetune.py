@@ -12,6 +12,7 @@ import pytest
 
 import vitcore
 from common.config import ConfigError
+from tests.conftest import new_home
 from transfer.finetune import FinetuneConfig, run_finetune
 
 REPO = Path(__file__).resolve().parents[2]
@@ -129,7 +130,7 @@ def _kill_session(proc: subprocess.Popen) -> None:
 def test_killed_sweep_resumes_without_rerunning_finished_trials(small_demo, tmp_path):
     shards = small_demo["work"] / "shards"
     home = tmp_path / "mlruns"
-    env = dict(os.environ, VITSCALE_HOME=str(home), PYTHONPATH=str(REPO))
+    env = dict(os.environ, VITSCALE_HOME=str(new_home(home)), PYTHONPATH=str(REPO))
     for k in ("MLFLOW_TRACKING_URI", "VITSCALE_PARENT_RUN_ID", "RAY_ADDRESS"):
         env.pop(k, None)
     out = tmp_path / "out"

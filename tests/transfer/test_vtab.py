@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from common.config import ConfigError
+from tests.conftest import new_home
 from tests.transfer.conftest import packed_label_map
 from transfer.vtab import VtabConfig, aggregate, choose_setting, run_vtab
 from transfer.vtab_data import MissingTaskError, resolve_tasks
@@ -84,7 +85,7 @@ def test_folders_converter_repeats_its_keys_and_names_the_original_files(tasks, 
 
     raw = tasks["count"].parent / "raw" / "count"
     assert (raw / "train").is_dir()
-    monkeypatch.setenv("VITSCALE_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("VITSCALE_HOME", str(new_home(tmp_path / "home")))
     again_cfg = VtabPrepareConfig(source="folders", input=str(raw), output=str(tmp_path / "again"), size=32, **SIZES)
     run_vtab_prepare(again_cfg)
     # Into the same output once more: the same inputs, so the sets are replaced, not refused as
@@ -158,7 +159,7 @@ def test_an_unlabelled_task_is_refused_before_any_trial(tmp_path, unlabelled_sha
 
 @pytest.fixture(scope="module")
 def vtab_run(tasks, pretrained, tmp_path_factory, ray_session):
-    home = tmp_path_factory.mktemp("vtab-mlruns")
+    home = new_home(tmp_path_factory.mktemp("vtab-mlruns"))
     mp = pytest.MonkeyPatch()
     mp.setenv("VITSCALE_HOME", str(home))
     mp.delenv("MLFLOW_TRACKING_URI", raising=False)
