@@ -57,6 +57,8 @@ TAG_INPUT_MANIFEST = "vitscale.input_manifest_sha256"
 #: What the main input holds (``pipelines.schema.content_sha256``): the same for every re-ingest of
 #: the same images, so the report ranks such runs together.
 TAG_INPUT_DATA = "vitscale.input_data_sha256"
+#: The main input manifests a run trained on before it was resumed on other data (--data-changed-ok).
+TAG_EARLIER_INPUT = "vitscale.earlier_input_manifest_sha256"
 TAG_OUTPUT_MANIFEST = "vitscale.output_manifest_sha256"
 TAG_DEDUP_STATE = "vitscale.dedup_state"
 TAG_SHARD_VERIFY = "vitscale.shard_verify"  # "sha256", or "skipped (VITSCALE_SKIP_SHARD_VERIFY)"
@@ -452,6 +454,20 @@ def log_shard_inputs(records: list[Mapping[str, Any]], *, context: str = "traini
         return
     run_id = run_id or mlflow.active_run().info.run_id
     mlflow.MlflowClient(tracking_uri()).log_inputs(run_id, datasets=datasets)
+
+
+def refresh_inputs(run_id: str, tags: Mapping[str, str], records: list[Mapping[str, Any]]) -> bool:
+    """A reopened run that resumes on other data (``--data-changed-ok``): its scheme tags made those
+    of the data it goes on with (``tags``, :func:`run_tags`), the manifest it trained on until now
+    kept in :data:`TAG_EARLIER_INPUT`, and ``records`` logged as further inputs. False, and nothing
+    written, when its main input is the one it started on."""
+    before = get_run(run_id).data.tags
+    if before.get(TAG_INPUT_MANIFEST) == tags.get(TAG_INPUT_MANIFEST):
+        return False
+    earlier = join_ids(before.get(TAG_EARLIER_INPUT, ""), before.get(TAG_INPUT_MANIFEST, ""))
+    set_tags({**tags, **({TAG_EARLIER_INPUT: earlier} if earlier else {})}, run_id)
+    log_shard_inputs(records, run_id=run_id)
+    return True
 
 
 def metric_history(run_id: str, keys: list[str]) -> dict[str, list[tuple[int, float]]]:

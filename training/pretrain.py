@@ -406,16 +406,17 @@ def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         records = [data_record] + ([shard_set_record(cfg.fewshot_data, role="evaluation")] if cfg.fewshot_data else [])
         records += task_records(task_folders(cfg.fewshot_task, "fewshot_task"))
         name = f"pretrain {cfg.variant.replace('/', '')} on {data_record['name']}"
+        tags = tracking.run_tags(cfg, data=records, main=[data_record])
         if reopen:  # the run this output's interrupted pre-training logged to, as a resumed sweep does
             opened = tracking.start_run("pretrain", run_id=reopen, log_system_metrics=True)
         else:
             opened = tracking.start_run("pretrain", params=dataclasses.asdict(cfg), parent_run_id=cfg.parent_run_id,
-                                        run_name=f"{name} ({cfg.run_name})",
-                                        tags=tracking.run_tags(cfg, data=records, main=[data_record]),
-                                        log_system_metrics=True)
+                                        run_name=f"{name} ({cfg.run_name})", tags=tags, log_system_metrics=True)
         with opened as run:
             _record_run(output, cfg, run.info.run_id)
-            if not reopen:
+            if reopen:
+                tracking.refresh_inputs(run.info.run_id, tags, records)
+            else:
                 tracking.log_shard_inputs(records)
                 tracking.log_metrics({"num_rows": shards.num_rows, "train_rows": train_rows,
                                       "num_classes": len(shards.label_map),

@@ -236,6 +236,7 @@ def sweep_run(stage: str, output: Path, config: Mapping[str, Any], state: dict |
     with ctx as run:
         if state:
             close_interrupted_children(run.info.run_id)
+            tracking.refresh_inputs(run.info.run_id, new.get("tags", {}), records)
         else:
             tracking.log_shard_inputs(records)
         save_sweep_state(output, config, run.info.run_id, stage=stage, data=data)

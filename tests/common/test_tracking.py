@@ -36,6 +36,21 @@ def test_failed_stage_is_marked_failed(mlflow_store):
     assert mlflow.MlflowClient(tracking.tracking_uri()).get_run(run.info.run_id).info.status == "FAILED"
 
 
+def test_a_run_resumed_on_other_data_names_it_and_keeps_the_manifest_it_trained_on(mlflow_store):
+    # A resume with --data-changed-ok went on under tags naming the manifest it no longer read.
+    sets = [{"name": "s", "url": "/d/s", "manifest_sha256": c * 64, "role": "training"} for c in "abc"]
+    with tracking.start_run("pretrain", tags=tracking.run_tags(data=sets[:1])) as run:
+        tracking.log_shard_inputs(sets[:1])
+    run_id = run.info.run_id
+    assert not tracking.refresh_inputs(run_id, tracking.run_tags(data=sets[:1]), sets[:1])  # the same data
+    for record in sets[1:]:
+        assert tracking.refresh_inputs(run_id, tracking.run_tags(data=[record]), [record])
+    done = mlflow.MlflowClient(tracking.tracking_uri()).get_run(run_id)
+    assert done.data.tags[tracking.TAG_INPUT_MANIFEST] == "c" * 64
+    assert done.data.tags[tracking.TAG_EARLIER_INPUT] == f"{'a' * 64},{'b' * 64}"
+    assert sorted(d.dataset.digest for d in done.inputs.dataset_inputs) == ["a" * 36, "b" * 36, "c" * 36]
+
+
 def test_stray_mlflow_run_id_does_not_reparent(mlflow_store, monkeypatch):
     with tracking.start_run("other") as other:
         pass

@@ -298,3 +298,21 @@ def test_a_sweep_resumed_on_a_replaced_split_is_refused_unless_data_changed_ok(t
         "--data-changed-ok to resume on the new data")
     assert open_sweep_state(tmp_path, config, stage="finetune", data=replaced, data_changed_ok=True)
     assert "resuming on the new data (--data-changed-ok)" in capsys.readouterr().err
+
+
+def test_a_sweep_reopened_on_a_replaced_split_is_tagged_with_it(tmp_path, mlflow_store):
+    from common import tracking
+    from transfer.sweep import sweep_run
+
+    config = {"lrs": [0.01], "steps": 5}
+    started = {"name": "train", "url": "/sets/train", "manifest_sha256": "1" * 64, "role": "training"}
+    replaced = {**started, "manifest_sha256": "2" * 64}
+    with sweep_run("finetune", tmp_path, config, None, records=[started],
+                   new={"tags": tracking.run_tags(config, data=[started])}) as run:
+        run_id = run.info.run_id
+    state = open_sweep_state(tmp_path, config, stage="finetune")
+    with sweep_run("finetune", tmp_path, config, state, records=[replaced],
+                   new={"tags": tracking.run_tags(config, data=[replaced])}) as run:
+        assert run.info.run_id == run_id
+    tags = tracking.get_run(run_id).data.tags
+    assert tags[tracking.TAG_INPUT_MANIFEST] == "2" * 64 and tags[tracking.TAG_EARLIER_INPUT] == "1" * 64
