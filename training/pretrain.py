@@ -399,6 +399,8 @@ def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
         claim_folder(cfg.output, "pretrain")
         cfg, resume, output, reopen = _claim(cfg, storage)
         lock_run_folder(cfg, storage, held)
+        if reopen is None and (done := _finished(cfg, output, resume, total_steps)):
+            return done
         _warn_one_class(cfg, shards)
         own_ray = init_ray(cfg.ray_address)
         datasets = {"train": ray_data_stream(cfg, shards)} if cfg.loader == "ray_data" else {}
@@ -441,6 +443,25 @@ def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
             _publish(cfg, run, summary, shards, output, name)
             atomic_write(output / SUMMARY, json.dumps(summary, indent=2))
         return summary
+
+
+def _finished(cfg: PretrainConfig, output: Path, resume: dict, total_steps: int) -> dict | None:
+    """The summary of the run ``output`` holds when it finished every step this config plans, under
+    the MLflow run its record names: submitted again, the run, model and summary stand, and no
+    second MLflow run or model is logged. A longer schedule trains on, in a run of its own."""
+    record = read_run_record(output)
+    try:
+        summary = json.loads((output / SUMMARY).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(summary, dict) and record.get("mlflow_run_id")
+            and summary.get("mlflow_run_id") == record["mlflow_run_id"]
+            and summary.get("steps") == total_steps == resume.get("resume_step")
+            and Path(str(summary.get("model", ""))).is_file()):
+        return None
+    print(f"pretrain: run {cfg.run_name!r} finished its {total_steps} steps already; its model and summary in "
+          f"{output} stand (a larger --steps or --epochs trains on, --overwrite starts again)", file=sys.stderr)
+    return summary
 
 
 def _prepare(cfg: PretrainConfig) -> tuple[PretrainConfig, Any, str, tuple[int, int, int]]:

@@ -97,6 +97,14 @@ def test_ctrl_c_keeps_the_newest_checkpoint_and_the_same_command_resumes_from_it
     # The resumed run logs into the run it was killed in, which ends FINISHED: one run, not two.
     assert summary["mlflow_run_id"] == killed and [r.info.status for r in _runs(home)] == ["FINISHED"]
     assert [m.name for m in _logged_models(home, summary["mlflow_run_id"])] == [f"pretrain-Ti8-{tiny_shards.name}"]
+    # The finished run submitted again: its summary stands, with no second MLflow run or model.
+    again = job_main("pretrain", *job[2:], "--steps", str(newest + 2))
+    assert again.returncode == 0 and json.loads(again.stdout) == summary, again.stderr[-3000:]
+    assert _own_lines(again.stderr) == [
+        f"pretrain: run {record['run_name']!r} finished its {newest + 2} steps already; its model and summary in "
+        f"{out} stand (a larger --steps or --epochs trains on, --overwrite starts again)"]
+    assert [r.info.status for r in _runs(home)] == ["FINISHED"]
+    assert [m.name for m in _logged_models(home, summary["mlflow_run_id"])] == [f"pretrain-Ti8-{tiny_shards.name}"]
     snapshot = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())
     listed = {r["checkpoint_dir_name"] for r in snapshot["checkpoint_results"]}
     assert {p.name for p in run_dir.glob("checkpoint_*") if p.is_dir()} == listed  # orphans and the torn folder are gone
