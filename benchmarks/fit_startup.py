@@ -46,15 +46,11 @@ RAY_DEFAULTS = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "1", "RAY_TRAIN_HEALTH_CH
 
 def build_shards(work: Path) -> Path:
     """The test suite's tiny shard set: 8 crops each of two photographs, two classes, 32 px."""
-    from common.photos import photo
+    from common.photos import crop_folder
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
 
-    for cls, name in (("cat", "chelsea.png"), ("coffee", "coffee.png")):
-        (work / "src" / cls).mkdir(parents=True)
-        img = photo(name)
-        for i in range(8):
-            img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(work / "src" / cls / f"{i}.png")
+    crop_folder(work / "src")
     run_prepare(PrepareConfig(input=[str(work / "src")], output=str(work / "shards"), size=32, workers=1))
     return work / "shards"
 

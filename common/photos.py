@@ -56,3 +56,18 @@ def photos(names: Iterable[str] = ALL, *, mode: str | None = "RGB",
            max_side: int | None = None) -> dict[str, Image.Image]:
     """``{name: photo(name)}`` in the order given."""
     return {name: photo(name, mode=mode, max_side=max_side) for name in names}
+
+
+CROP_CLASSES = (("cat", "chelsea.png"), ("coffee", "coffee.png"))
+
+
+def crop_folder(root: Path, per_class: int = 8, classes: Iterable[tuple[str, str]] = CROP_CLASSES) -> Path:
+    """A small labelled folder in ``root``: ``per_class`` 200 px crops of each class's photograph
+    (chelsea.png as ``cat``, coffee.png as ``coffee``), as PNG. The tiny corpus of the test suite
+    and benchmarks."""
+    for cls, name in classes:
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        img = photo(name)
+        for i in range(per_class):
+            img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(root / cls / f"{i}.png")
+    return root

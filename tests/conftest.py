@@ -415,14 +415,10 @@ def _prepared(root: Path) -> Path:
 def tiny_shards(tmp_path_factory):
     """A real shard set of 16 photo crops in two classes, prepared at 32 px: enough for the stages'
     checks, interrupts and resumes. Its ingest logs to a store of its own."""
-    from common.photos import photo
+    from common.photos import crop_folder
 
     root = tmp_path_factory.mktemp("tiny")
-    for cls, name in (("cat", "chelsea.png"), ("coffee", "coffee.png")):
-        (root / "src" / cls).mkdir(parents=True)
-        img = photo(name)
-        for i in range(8):
-            img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(root / "src" / cls / f"{i}.png")
+    crop_folder(root / "src")
     return _prepared(root)
 
 

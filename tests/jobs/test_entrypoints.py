@@ -243,14 +243,11 @@ def test_a_stage_into_a_folder_another_stage_owns_is_refused_before_it_writes(jo
 
 
 def test_pretraining_a_classifier_on_one_class_warns_in_one_line_and_trains(tmp_path, mlflow_store):
-    from common.photos import photo
+    from common.photos import CROP_CLASSES, crop_folder
     from pipelines.config import PrepareConfig
     from pipelines.ingest import run_prepare
 
-    (tmp_path / "src" / "cat").mkdir(parents=True)
-    img = photo("chelsea.png")
-    for i in range(8):
-        img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(tmp_path / "src" / "cat" / f"{i}.png")
+    crop_folder(tmp_path / "src", classes=CROP_CLASSES[:1])
     run_prepare(PrepareConfig(input=[str(tmp_path / "src")], output=str(tmp_path / "shards"), size=32, workers=1))
     out = run_job("pretrain", "--data", str(tmp_path / "shards"), "--output", str(tmp_path / "out"), "--variant",
                   "Ti/8", "--depth", "1", "--img-size", "32", "--batch-size", "4", "--num-workers", "1", "--steps", "1",

@@ -13,17 +13,7 @@ from tests.conftest import new_home
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_pretrain_refuses_a_crafted_snapshot_before_ray_starts(tmp_path, mlflow_store):
-    from common.photos import photo
-    from pipelines.config import PrepareConfig
-    from pipelines.ingest import run_prepare
-
-    for cls, name in (("cat", "chelsea.png"), ("coffee", "coffee.png")):
-        (tmp_path / "src" / cls).mkdir(parents=True)
-        img = photo(name)
-        for i in range(8):
-            img.crop((i * 20, i * 10, i * 20 + 200, i * 10 + 200)).save(tmp_path / "src" / cls / f"{i}.png")
-    run_prepare(PrepareConfig(input=[str(tmp_path / "src")], output=str(tmp_path / "shards"), size=32, workers=1))
+def test_pretrain_refuses_a_crafted_snapshot_before_ray_starts(tiny_shards, tmp_path, mlflow_store):
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "keep.txt").write_text("precious")
@@ -35,7 +25,7 @@ def test_pretrain_refuses_a_crafted_snapshot_before_ray_starts(tmp_path, mlflow_
         "latest_checkpoint_result": result, "pending_training_results": [], "pending_validation_specs": [],
         "current_report_index": 1, "validated_checkpoint_dir_names": [],
         "timed_out_validation_checkpoint_dir_names": [], "failed_validation_checkpoint_dir_names": []}))
-    out = subprocess.run([sys.executable, str(REPO / "jobs" / "pretrain.py"), "--data", str(tmp_path / "shards"),
+    out = subprocess.run([sys.executable, str(REPO / "jobs" / "pretrain.py"), "--data", str(tiny_shards),
                           "--output", str(tmp_path / "out"), "--storage-path", str(tmp_path / "storage"),
                           "--run-name", "run1", "--batch-size", "4", "--num-workers", "1", "--steps", "2",
                           "--keep-checkpoints", "1"],
