@@ -373,12 +373,13 @@ def _inspection_figures(model_path: Path, cfg: PretrainConfig, out_dir: Path) ->
     return figures
 
 
-def run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
+def run_pretrain(cfg: PretrainConfig, *, progress: str = "pretrain") -> dict[str, Any]:
     """Run pre-training end to end; returns the final metrics, the saved model's path, the steps
-    trained and the worker-group restarts."""
+    trained and the worker-group restarts. ``progress`` begins each step line (a study's cell
+    names itself there)."""
     # The sets it reads stay as they are for the run: a prepare replacing one, or a dedup, is refused.
     with reading("pretrain", read_sets(cfg)):
-        return _run_pretrain(cfg)
+        return _run_pretrain(cfg, progress)
 
 
 def read_sets(cfg: PretrainConfig) -> dict[str, Any]:
@@ -388,7 +389,7 @@ def read_sets(cfg: PretrainConfig) -> dict[str, Any]:
             **{f"{name}/{split}": path / split for name, path in tasks.items() for split in SPLITS}}
 
 
-def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
+def _run_pretrain(cfg: PretrainConfig, progress: str) -> dict[str, Any]:
     from training.ray_utils import init_ray
 
     cfg, shards, uri, (steps_per_epoch, total_steps, train_rows) = _prepare(cfg)
@@ -426,7 +427,7 @@ def _run_pretrain(cfg: PretrainConfig) -> dict[str, Any]:
                                       "accumulation": cfg.accumulation})
             try:
                 with interrupts():
-                    result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage, resume)
+                    result, restarts = _fit(cfg, run.info.run_id, uri, datasets, storage, resume, progress)
             except KeyboardInterrupt as exc:
                 tracking.end_active_run("KILLED")
                 if own_ray:  # its workers stop here, so that the checkpoint named is the newest there will be
@@ -660,7 +661,7 @@ def _warn_one_class(cfg: PretrainConfig, shards: Any) -> None:
 
 
 def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tuple[str, Any],
-         resume: dict) -> tuple[Any, int]:
+         resume: dict, progress: str = "pretrain") -> tuple[Any, int]:
     """Ray Train's fit of :func:`train_loop_per_worker`, with the driver's progress lines; returns
     its result and the worker-group restarts."""
     import ray
@@ -690,7 +691,7 @@ def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tu
             failure_config=FailureConfig(max_failures=cfg.max_failures),
         ),
     )
-    shown = StepProgress(ProgressLine("pretrain"), board)
+    shown = StepProgress(ProgressLine(progress), board)
     try:
         try:
             # Poll at least as often as lines are due: a short run's steps must not all fall

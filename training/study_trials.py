@@ -42,7 +42,8 @@ def cell_trial(config: dict) -> dict:
     os.environ["MLFLOW_TRACKING_URI"] = config["mlflow_uri"]
     if os.path.isdir(config["cwd"]):  # Tune starts a trial in its own folder; the cell's paths are the driver's
         os.chdir(config["cwd"])
-    summary = run_pretrain(PretrainConfig(**config["cells"][str(config["index"])]))
+    index = str(config["index"])
+    summary = run_pretrain(PretrainConfig(**config["cells"][index]), progress=f"pretrain, cell {config['labels'][index]}")
     return {"steps": summary["steps"]}
 
 
@@ -107,12 +108,13 @@ def run_cells(cells: dict[int, PretrainConfig], labels: dict[int, str], parent_r
         for i in sorted(cells):
             print(f"study: cell {labels[i]}: pre-training", file=sys.stderr, flush=True)
             start = time.monotonic()
-            run_pretrain(dataclasses.replace(cells[i], parent_run_id=parent_run_id))
+            run_pretrain(dataclasses.replace(cells[i], parent_run_id=parent_run_id), progress=f"pretrain, cell {labels[i]}")
             print(f"study: cell {labels[i]}: pre-trained in {duration(time.monotonic() - start)}", file=sys.stderr)
         return
     storage = output / TUNE_DIR
     shutil.rmtree(storage, ignore_errors=True)  # a killed launch's: this launch starts its own
     space = {"index": tune.grid_search(sorted(cells)), "mlflow_uri": tracking.tracking_uri(), "cwd": os.getcwd(),
+             "labels": {str(i): labels[i] for i in cells},
              "cells": {str(i): dataclasses.asdict(dataclasses.replace(c, parent_run_id=parent_run_id))
                        for i, c in cells.items()}}
     lines = CellLines(labels)

@@ -168,6 +168,9 @@ def test_a_study_killed_in_its_second_cell_is_finished_by_the_same_command(tiny_
     rerun = job_main("study", *args)  # the same command, in this process on the session's Ray
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "cell 1/2 mu/8 at fraction 0.5: finished, skipped" in rerun.stderr
+    # The resumed cell's step lines name it.
+    assert any(line.startswith("pretrain, cell 2/2 mu/8 at fraction 1") for line in rerun.stderr.splitlines()), \
+        rerun.stderr[-3000:]
     rows = json.loads((out / "study_table.json").read_text())["rows"]
     assert [r["mlflow_run_id"] for r in rows] == [done, killed]  # the killed cell resumed into its own run
     client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
