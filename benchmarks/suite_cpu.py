@@ -37,15 +37,22 @@ TRIAL_ACTORS = ("ImplicitFunc",)
 
 
 def read_log(path: Path) -> tuple[dict, dict, list[dict]]:
+    """The first session in the log, its end and its tests. A test that runs pytest itself writes
+    a session of its own inside the test's (the variable is inherited): its records are left out,
+    and its CPU stays in the test that ran it."""
     start = finish = None
-    tests = []
+    tests, depth = [], 0
     for line in path.read_text().splitlines():
         record = json.loads(line)
         if "start" in record:
-            start, tests = record, []  # a log written twice keeps its last run
+            depth += 1
+            start = start or record
         elif "finish" in record:
-            finish = record
-        else:
+            depth -= 1
+            if depth == 0:
+                finish = record
+                break
+        elif depth == 1:
             tests.append(record)
     if start is None or finish is None:
         raise SystemExit(f"suite_cpu: error: {path}: no session start and finish in it; write it with "

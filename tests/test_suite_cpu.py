@@ -30,6 +30,17 @@ def test_a_logged_run_gives_each_test_its_cpu_and_the_floor_on_the_machines_core
     assert report["floor_s"] == round(report["busy_cpu_s"] / report["cores"], 1) and report["target_s"] == 1500
     assert report["largest_files"][0]["file"] == "tests/vitcore/test_flops.py"
 
+    # A test that runs pytest itself passes the variable on: that session's records sit inside the
+    # test's, and only the outer session's tests and times count.
+    start, test, finish = records
+    inner = [{**start, "start": start["start"] + 1}, {**test, "test": "inner.py::t"}, finish]
+    log.write_text("".join(json.dumps(r) + "\n" for r in [start, *inner, test, finish]))
+    out = subprocess.run([sys.executable, "benchmarks/suite_cpu.py", str(log)], cwd=REPO, capture_output=True,
+                         text=True, timeout=60, check=True)
+    nested = json.loads(out.stdout.strip().splitlines()[-1])
+    assert nested["tests"] == 1 and nested["wall_s"] == report["wall_s"]
+    assert [f["file"] for f in nested["largest_files"]] == ["tests/vitcore/test_flops.py"]
+
 
 def test_a_log_without_its_sessions_end_is_one_line_naming_how_to_write_it(tmp_path):
     log = tmp_path / "cut.jsonl"
