@@ -28,15 +28,18 @@ _SUITE_HANDLERS: dict[int, object] = {}
 
 def pytest_sessionstart(session):
     if os.environ.get("SUITE_CPU_LOG"):
-        from benchmarks.machine import busy_cpu_s, describe
-
-        _cpu_log({"start": time.time(), "busy_cpu_s": busy_cpu_s(), "machine": describe()})
+        _cpu_log({"start": time.time()}, machine=True)
     _SUITE_HANDLERS[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     _SUITE_HANDLERS[signal.SIGTERM] = _stop_pytest
     signal.signal(signal.SIGTERM, _stop_pytest)
 
 
-def _cpu_log(record: dict) -> None:
+def _cpu_log(record: dict, *, machine: bool = False) -> None:
+    """One line of ``SUITE_CPU_LOG``; a session's start and finish also carry the machine's busy CPU."""
+    if machine:
+        from benchmarks.machine import busy_cpu_s, describe
+
+        record = {**record, "busy_cpu_s": busy_cpu_s(), "machine": describe()}
     with open(os.environ["SUITE_CPU_LOG"], "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -79,10 +82,7 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_sessionfinish(session, exitstatus):
     if os.environ.get("SUITE_CPU_LOG"):
-        from benchmarks.machine import busy_cpu_s, describe
-
-        _cpu_log({"finish": time.time(), "busy_cpu_s": busy_cpu_s(), "exitstatus": int(exitstatus),
-                  "machine": describe()})
+        _cpu_log({"finish": time.time(), "exitstatus": int(exitstatus)}, machine=True)
 
 
 @pytest.fixture(autouse=True)
@@ -309,7 +309,6 @@ def new_home(home: Path) -> Path:
     import shutil
     import sqlite3
     import tempfile
-    import time
 
     if not _STORE_TEMPLATE:
         from common import tracking

@@ -661,7 +661,7 @@ def _warn_one_class(cfg: PretrainConfig, shards: Any) -> None:
 
 
 def _fit(cfg: PretrainConfig, run_id: str, uri: str, datasets: dict, storage: tuple[str, Any],
-         resume: dict, progress: str = "pretrain") -> tuple[Any, int]:
+         resume: dict, progress: str) -> tuple[Any, int]:
     """Ray Train's fit of :func:`train_loop_per_worker`, with the driver's progress lines; returns
     its result and the worker-group restarts."""
     import ray

@@ -33,6 +33,11 @@ TUNE_DIR = "tune"
 TRIAL_RESOURCES = {"cpu": 0, "memory": 1}
 
 
+def cell_progress(label: str) -> str:
+    """What a cell's step lines begin with: ``pretrain, cell 2/4 Ti/8 at fraction 1``."""
+    return f"pretrain, cell {label}"
+
+
 def cell_trial(config: dict) -> dict:
     """One cell: its pre-training run, logged to the study's store (the trial's process has its
     own environment) and nested under the study's run."""
@@ -43,7 +48,7 @@ def cell_trial(config: dict) -> dict:
     if os.path.isdir(config["cwd"]):  # Tune starts a trial in its own folder; the cell's paths are the driver's
         os.chdir(config["cwd"])
     index = str(config["index"])
-    summary = run_pretrain(PretrainConfig(**config["cells"][index]), progress=f"pretrain, cell {config['labels'][index]}")
+    summary = run_pretrain(PretrainConfig(**config["cells"][index]), progress=cell_progress(config["labels"][index]))
     return {"steps": summary["steps"]}
 
 
@@ -108,7 +113,7 @@ def run_cells(cells: dict[int, PretrainConfig], labels: dict[int, str], parent_r
         for i in sorted(cells):
             print(f"study: cell {labels[i]}: pre-training", file=sys.stderr, flush=True)
             start = time.monotonic()
-            run_pretrain(dataclasses.replace(cells[i], parent_run_id=parent_run_id), progress=f"pretrain, cell {labels[i]}")
+            run_pretrain(dataclasses.replace(cells[i], parent_run_id=parent_run_id), progress=cell_progress(labels[i]))
             print(f"study: cell {labels[i]}: pre-trained in {duration(time.monotonic() - start)}", file=sys.stderr)
         return
     storage = output / TUNE_DIR
