@@ -40,10 +40,18 @@ def read_log(path: Path) -> tuple[dict, dict, list[dict]]:
     """The first session in the log, its end and its tests. A test that runs pytest itself writes
     a session of its own inside the test's (the variable is inherited): its records are left out,
     and its CPU stays in the test that ran it."""
+    hint = f"write it with SUITE_CPU_LOG={path} make test, and let the run end"
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise SystemExit(f"suite_cpu: error: {path}: cannot be read ({exc.strerror}); {hint}") from None
     start = finish = None
     tests, depth = [], 0
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # the line a killed run was writing
+            continue
         if "start" in record:
             depth += 1
             start = start or record
@@ -55,8 +63,7 @@ def read_log(path: Path) -> tuple[dict, dict, list[dict]]:
         elif depth == 1:
             tests.append(record)
     if start is None or finish is None:
-        raise SystemExit(f"suite_cpu: error: {path}: no session start and finish in it; write it with "
-                         f"SUITE_CPU_LOG={path} make test, and let the run end")
+        raise SystemExit(f"suite_cpu: error: {path}: no session start and finish in it; {hint}")
     return start, finish, tests
 
 
