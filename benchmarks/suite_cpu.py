@@ -37,33 +37,28 @@ TRIAL_ACTORS = ("ImplicitFunc",)
 
 
 def read_log(path: Path) -> tuple[dict, dict, list[dict]]:
-    """The first session in the log, its end and its tests. A test that runs pytest itself writes
-    a session of its own inside the test's (the variable is inherited): its records are left out,
-    and its CPU stays in the test that ran it."""
+    """The last session in the log (a file written by several runs), its end and its tests. A
+    pytest run inside a test writes nothing (``tests/conftest.py``): its CPU is the test's."""
     hint = f"write it with SUITE_CPU_LOG={path} make test, and let the run end"
     try:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise SystemExit(f"suite_cpu: error: {path}: cannot be read ({exc.strerror}); {hint}") from None
     start = finish = None
-    tests, depth = [], 0
+    tests = []
     for line in lines:
         try:
             record = json.loads(line)
         except ValueError:  # the line a killed run was writing
             continue
         if "start" in record:
-            depth += 1
-            start = start or record
+            start, finish, tests = record, None, []
         elif "finish" in record:
-            depth -= 1
-            if depth == 0:
-                finish = record
-                break
-        elif depth == 1:
+            finish = record
+        else:
             tests.append(record)
     if start is None or finish is None:
-        raise SystemExit(f"suite_cpu: error: {path}: no session start and finish in it; {hint}")
+        raise SystemExit(f"suite_cpu: error: {path}: its last session has no start or no end; {hint}")
     return start, finish, tests
 
 

@@ -26,8 +26,16 @@ def _stop_pytest(signum, frame):
 _SUITE_HANDLERS: dict[int, object] = {}
 
 
+def _cpu_logging() -> bool:
+    """Whether this session writes ``SUITE_CPU_LOG``: not when it runs inside a test of a session
+    that writes the same file (a test that runs pytest passes the variable on)."""
+    log = os.environ.get("SUITE_CPU_LOG")
+    return bool(log) and os.environ.get("SUITE_CPU_LOG_WRITER", str(os.getpid())) == str(os.getpid())
+
+
 def pytest_sessionstart(session):
-    if os.environ.get("SUITE_CPU_LOG"):
+    if _cpu_logging():
+        os.environ["SUITE_CPU_LOG_WRITER"] = str(os.getpid())
         _cpu_log({"start": time.time()}, machine=True)
     _SUITE_HANDLERS[signal.SIGINT] = signal.getsignal(signal.SIGINT)
     _SUITE_HANDLERS[signal.SIGTERM] = _stop_pytest
@@ -49,7 +57,7 @@ def pytest_runtest_protocol(item, nextitem):
     """With ``SUITE_CPU_LOG=FILE``: a JSON line per test, its wall time and the CPU seconds the whole
     machine spent busy meanwhile (the set-up of a shared fixture it was first to use included), for
     ``benchmarks/suite_cpu.py``."""
-    if not os.environ.get("SUITE_CPU_LOG"):
+    if not _cpu_logging():
         return (yield)
     from benchmarks.machine import busy_cpu_s
 
@@ -81,7 +89,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if os.environ.get("SUITE_CPU_LOG"):
+    if _cpu_logging():
         _cpu_log({"finish": time.time(), "exitstatus": int(exitstatus)}, machine=True)
 
 

@@ -12,7 +12,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_a_logged_run_gives_each_test_its_cpu_and_the_floor_on_the_machines_cores(tmp_path):
     log = tmp_path / "cpu.jsonl"
-    env = {**os.environ, "SUITE_CPU_LOG": str(log)}
+    env = {k: v for k, v in os.environ.items() if k != "SUITE_CPU_LOG_WRITER"}  # a session of its own
+    env["SUITE_CPU_LOG"] = str(log)
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "tests/vitcore/test_flops.py::test_b16_macs_match_published_figures"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -31,16 +32,25 @@ def test_a_logged_run_gives_each_test_its_cpu_and_the_floor_on_the_machines_core
     assert abs(report["floor_s"] - report["busy_cpu_s"] / report["cores"]) <= 0.1 and report["target_s"] == 1500
     assert report["largest_files"][0]["file"] == "tests/vitcore/test_flops.py"
 
-    # A test that runs pytest itself passes the variable on: that session's records sit inside the
-    # test's, and only the outer session's tests and times count.
+    # The same file written by a second run: the figures are the last run's.
     start, test, finish = records
-    inner = [{**start, "start": start["start"] + 1}, {**test, "test": "inner.py::t"}, finish]
-    log.write_text("".join(json.dumps(r) + "\n" for r in [start, *inner, test, finish]))
+    log.write_text("".join(json.dumps(r) + "\n" for r in [start, {**test, "test": "older.py::t"}, finish,
+                                                             start, test, finish]))
     out = subprocess.run([sys.executable, "benchmarks/suite_cpu.py", str(log)], cwd=REPO, capture_output=True,
                          text=True, timeout=60, check=True)
-    nested = json.loads(out.stdout.strip().splitlines()[-1])
-    assert nested["tests"] == 1 and nested["wall_s"] == report["wall_s"]
-    assert [f["file"] for f in nested["largest_files"]] == ["tests/vitcore/test_flops.py"]
+    again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert again["tests"] == 1 and [f["file"] for f in again["largest_files"]] == ["tests/vitcore/test_flops.py"]
+
+
+def test_a_pytest_run_inside_a_logged_test_writes_nothing(tmp_path):
+    # A test that runs pytest passes SUITE_CPU_LOG on; its session is part of the test's CPU.
+    log = tmp_path / "cpu.jsonl"
+    env = {**os.environ, "SUITE_CPU_LOG": str(log), "SUITE_CPU_LOG_WRITER": "1"}  # the logging session's pid
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/vitcore/test_flops.py::test_b16_macs_match_published_figures"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert not log.exists()
 
 
 def test_a_log_without_its_sessions_end_is_one_line_naming_how_to_write_it(tmp_path):
@@ -49,8 +59,8 @@ def test_a_log_without_its_sessions_end_is_one_line_naming_how_to_write_it(tmp_p
     out = subprocess.run([sys.executable, "benchmarks/suite_cpu.py", str(log)], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1
-    assert out.stderr.strip() == (f"suite_cpu: error: {log}: no session start and finish in it; write it with "
-                                  f"SUITE_CPU_LOG={log} make test, and let the run end")
+    assert out.stderr.strip() == (f"suite_cpu: error: {log}: its last session has no start or no end; write it "
+                                  f"with SUITE_CPU_LOG={log} make test, and let the run end")
     missing = tmp_path / "none.jsonl"
     out = subprocess.run([sys.executable, "benchmarks/suite_cpu.py", str(missing)], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
