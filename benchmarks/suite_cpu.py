@@ -37,7 +37,7 @@ TRIAL_ACTORS = ("ImplicitFunc",)
 
 
 def read_log(path: Path) -> tuple[dict, dict, list[dict]]:
-    """The last session in the log (a file written by several runs), its end and its tests. A
+    """The newest run in the log (a file written by several runs), its end and its tests. A
     pytest run inside a test writes nothing (``tests/conftest.py``): its CPU is the test's."""
     hint = f"write it with SUITE_CPU_LOG={path} make test, and let the run end"
     try:
@@ -58,7 +58,7 @@ def read_log(path: Path) -> tuple[dict, dict, list[dict]]:
         else:
             tests.append(record)
     if start is None or finish is None:
-        raise SystemExit(f"suite_cpu: error: {path}: its last session has no start or no end; {hint}")
+        raise SystemExit(f"suite_cpu: error: {path}: its newest run has no start or no end; {hint}")
     return start, finish, tests
 
 

@@ -27,8 +27,8 @@ _SUITE_HANDLERS: dict[int, object] = {}
 
 
 def _cpu_logging() -> bool:
-    """Whether this session writes ``SUITE_CPU_LOG``: not when it runs inside a test of a session
-    that writes the same file (a test that runs pytest passes the variable on)."""
+    """Whether this pytest process writes ``SUITE_CPU_LOG``: not when it runs inside a test of a
+    pytest that writes the same file (a test that runs pytest passes the variable on)."""
     log = os.environ.get("SUITE_CPU_LOG")
     return bool(log) and os.environ.get("SUITE_CPU_LOG_WRITER", str(os.getpid())) == str(os.getpid())
 

@@ -59,7 +59,7 @@ def test_a_log_without_its_sessions_end_is_one_line_naming_how_to_write_it(tmp_p
     out = subprocess.run([sys.executable, "benchmarks/suite_cpu.py", str(log)], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 1
-    assert out.stderr.strip() == (f"suite_cpu: error: {log}: its last session has no start or no end; write it "
+    assert out.stderr.strip() == (f"suite_cpu: error: {log}: its newest run has no start or no end; write it "
                                   f"with SUITE_CPU_LOG={log} make test, and let the run end")
     missing = tmp_path / "none.jsonl"
     out = subprocess.run([sys.executable, "benchmarks/suite_cpu.py", str(missing)], cwd=REPO, capture_output=True,
